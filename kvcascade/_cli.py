@@ -1,0 +1,169 @@
+"""The ``kvcascade`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from ._config import CascadeConfig
+from ._errors import ConfigError, KVCascadeError
+from ._replay import ReplayReport, run_replay
+from ._trace import bundled_trace, read_trace
+
+DEFAULT_GPU_BLOCKS = 1024
+DEFAULT_CPU_BLOCKS = 8192
+DEFAULT_BLOCK_BYTES = 4096
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = _nonneg_int(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be > 0, got 0")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvcascade", description="Three-tier KV cache tools.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    rp = sub.add_parser(
+        "replay",
+        help="run a serving trace through GPU → CPU → fs tiers and verify every loaded byte",
+        description="Replay a Mooncake-format trace through the cascade (default: the bundled "
+        "Mooncake conversation trace).",
+    )
+    rp.add_argument("trace", nargs="?", help="JSONL trace (default: bundled Mooncake trace)")
+    rp.add_argument("--requests", type=_positive_int, help="replay only the first N requests")
+    rp.add_argument("--gpu-blocks", type=_positive_int, help=f"GPU prefix-cache blocks (default {DEFAULT_GPU_BLOCKS})")
+    rp.add_argument("--cpu-blocks", type=_nonneg_int, help=f"CPU primary-tier blocks (default {DEFAULT_CPU_BLOCKS})")
+    rp.add_argument("--block-bytes", type=_positive_int, help=f"KV bytes per block (default {DEFAULT_BLOCK_BYTES})")
+    rp.add_argument("--fs-dir", help="fs tier directory (default: a temporary directory)")
+    rp.add_argument("--no-fs", action="store_true", help="no fs tier (GPU and CPU only)")
+    rp.add_argument("--eviction-policy", help="CPU tier eviction policy (lru, …)")
+    rp.add_argument("--config", help="JSON object (or @file) of kv_connector_extra_config keys")
+    rp.add_argument("--json", dest="json_path", help="write the report as JSON to this path")
+    rp.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def _load_config_arg(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    source = "--config"
+    if text.startswith("@"):
+        source = text[1:]
+        try:
+            text = Path(source).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read --config file {source!r}: {exc.strerror}") from exc
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{source} is not valid JSON: {exc.msg} at position {exc.pos}") from exc
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def build_replay_config(args: argparse.Namespace) -> CascadeConfig:
+    """Merge ``--config`` keys with the command-line options (options win)."""
+    extra = _load_config_arg(args.config)
+    tiers = extra.get("secondary_tiers")
+    if tiers is None:
+        tiers = [] if args.no_fs else [{"type": "fs"}]
+    elif args.no_fs and isinstance(tiers, list):
+        tiers = [t for t in tiers if not (isinstance(t, dict) and t.get("type") == "fs")]
+    if args.fs_dir and isinstance(tiers, list):
+        fs = [t for t in tiers if isinstance(t, dict) and t.get("type") == "fs"]
+        if not fs:
+            raise ConfigError("--fs-dir given but no fs tier is configured (drop --no-fs)")
+        fs[0]["root_dir"] = args.fs_dir
+    extra["secondary_tiers"] = tiers
+    cpu_blocks = args.cpu_blocks
+    if cpu_blocks is None and "cpu_bytes_to_use" not in extra and "cpu_blocks" not in extra:
+        cpu_blocks = DEFAULT_CPU_BLOCKS
+    return CascadeConfig.from_extra_config(
+        extra,
+        gpu_blocks=args.gpu_blocks or extra.get("gpu_blocks", DEFAULT_GPU_BLOCKS),
+        cpu_blocks=cpu_blocks,
+        block_bytes=args.block_bytes or extra.get("block_bytes", DEFAULT_BLOCK_BYTES),
+        eviction_policy=args.eviction_policy,
+    )
+
+
+def format_report(report: ReplayReport) -> str:
+    """The replay's closing table."""
+    lines = [
+        f"{'requests':<28}{report.requests:>16,}",
+        f"{'block instances':<28}{report.block_instances:>16,}",
+    ]
+    for tier, n in report.hit_blocks.items():
+        lines.append(f"{'hit blocks: ' + tier:<28}{n:>16,}")
+    lines.append(f"{'prefix hit ratio':<28}{report.prefix_hit_ratio:>16.4f}")
+    for direction, n in report.bytes.items():
+        lines.append(f"{'bytes ' + direction.replace('_to_', ' → '):<28}{n:>16,}")
+    lines.append(f"{'verified blocks':<28}{report.verified_blocks:>16,}")
+    lines.append(f"{'corrupt blocks':<28}{report.corrupt_blocks:>16,}")
+    for tier, n in report.evictions.items():
+        lines.append(f"{'evictions: ' + tier:<28}{n:>16,}")
+    lines.append(f"{'dropped stores (blocks)':<28}{report.dropped_store_blocks:>16,}")
+    lines.append(f"{'wall time (s)':<28}{report.wall_s:>16.2f}")
+    width = max(len(line) for line in lines)
+    return "\n".join(["kvcascade replay", "-" * width, *lines])
+
+
+def _replay(args: argparse.Namespace) -> int:
+    config = build_replay_config(args)
+    trace = read_trace(args.trace or bundled_trace(), limit=args.requests)
+    progress = None
+    bar = None
+    if not args.quiet and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(trace), unit="req", desc="replay", file=sys.stderr)
+        progress = bar.update
+    try:
+        report = run_replay(trace, config, progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    print(format_report(report))
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    if report.mismatched_blocks:
+        print(f"kvcascade: error: {report.mismatched_blocks} loaded blocks did not match", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``kvcascade`` command; returns the exit code."""
+    logging.basicConfig(level=logging.WARNING, format="kvcascade: %(levelname)s: %(message)s")
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "replay":
+            return _replay(args)
+    except KVCascadeError as exc:
+        print(f"kvcascade: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"kvcascade: error: {exc}", file=sys.stderr)
+        return 2
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Configuration: vLLM's ``kv_connector_extra_config`` keys plus kvcascade's own (spec §1.9)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._errors import ConfigError
+from .tiers.cpu import PAGE_SIZE, round_up
+
+# vLLM OffloadingConnector keys accepted for compatibility (spec §1.9) and kvcascade's own keys.
+_VLLM_KEYS = {
+    "spec_name", "spec_module_path", "cpu_bytes_to_use", "block_size", "blocks_per_chunk",
+    "eviction_policy", "cache_policy_module_path", "store_threshold", "max_tracker_size",
+    "offload_prompt_only", "self_describing_kv_events", "canonical_layout", "secondary_tiers",
+}
+_OWN_KEYS = {"cpu_blocks", "gpu_blocks", "block_bytes", "model_name", "cache_salt", "enable_events"}
+KNOWN_KEYS = frozenset(_VLLM_KEYS | _OWN_KEYS)
+SECONDARY_TIER_TYPES = ("fs", "memory", "example")
+
+
+def _positive_int(name: str, value: Any, *, allow_zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+    return value
+
+
+@dataclass
+class CascadeConfig:
+    """Everything :func:`kvcascade.open_cascade` needs.
+
+    Attributes:
+        block_bytes: KV bytes of one block (chunk) across all workers, ``> 0``.
+        gpu_blocks: blocks in the device KV cache.
+        cpu_blocks: primary-tier slots; derived from ``cpu_bytes_to_use`` when None
+            (``cpu_bytes_to_use // round_up(block_bytes, PAGE_SIZE)``, spec §2.6).
+        cpu_bytes_to_use: primary-tier budget in bytes (vLLM's key).
+        eviction_policy: primary-tier policy name or ``"module:Class"``.
+        secondary_tiers: list of tier dicts, each with ``type`` (``fs``, ``memory``/``example``)
+            and that tier's keys, in cascade order.
+        model_name, cache_salt: namespace identity of persistent tiers.
+        enable_events: queue KV events for ``take_events``.
+    """
+
+    block_bytes: int = 4096
+    gpu_blocks: int = 1024
+    cpu_blocks: int | None = None
+    cpu_bytes_to_use: int | None = None
+    eviction_policy: str = "lru"
+    secondary_tiers: list[dict[str, Any]] = field(default_factory=list)
+    model_name: str = "kvcascade-replay"
+    cache_salt: str | None = None
+    enable_events: bool = True
+
+    def __post_init__(self) -> None:
+        _positive_int("block_bytes", self.block_bytes)
+        _positive_int("gpu_blocks", self.gpu_blocks)
+        if self.cpu_blocks is not None:
+            _positive_int("cpu_blocks", self.cpu_blocks, allow_zero=True)
+        if self.cpu_bytes_to_use is not None:
+            _positive_int("cpu_bytes_to_use", self.cpu_bytes_to_use)
+        if self.cpu_blocks is None and self.cpu_bytes_to_use is None:
+            raise ConfigError(
+                "cpu_bytes_to_use must be specified (bytes of CPU DRAM for the primary tier), "
+                "or cpu_blocks"
+            )
+        if not isinstance(self.secondary_tiers, list):
+            raise ConfigError(f"secondary_tiers must be a list, got {self.secondary_tiers!r}")
+        for tier in self.secondary_tiers:
+            if not isinstance(tier, dict) or not tier.get("type"):
+                raise ConfigError(f"each secondary tier must be a dict that includes 'type': {tier!r}")
+            if tier["type"] not in SECONDARY_TIER_TYPES:
+                raise ConfigError(
+                    f"Unknown secondary tier type {tier['type']!r}; known: {', '.join(SECONDARY_TIER_TYPES)}"
+                )
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        """Primary-tier slots (spec §2.6 sizing when derived from ``cpu_bytes_to_use``)."""
+        if self.cpu_blocks is not None:
+            return self.cpu_blocks
+        assert self.cpu_bytes_to_use is not None
+        return self.cpu_bytes_to_use // round_up(self.block_bytes, PAGE_SIZE)
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any], **overrides: Any) -> CascadeConfig:
+        """Build from a ``kv_connector_extra_config``-style dict; ``overrides`` win.
+
+        vLLM keys with no meaning outside a vLLM engine (``spec_name``, ``block_size``, …) are
+        accepted and ignored here.
+
+        Raises:
+            ConfigError: an unknown key (the message lists the known ones) or a bad value.
+        """
+        if not isinstance(extra, dict):
+            raise ConfigError(f"config must be a JSON object, got {type(extra).__name__}")
+        unknown = sorted(set(extra) - KNOWN_KEYS)
+        if unknown:
+            raise ConfigError(f"unknown config keys {unknown}; known: {sorted(KNOWN_KEYS)}")
+        values = {k: copy.deepcopy(v) for k, v in extra.items() if k in _OWN_KEYS}
+        for key in ("cpu_bytes_to_use", "eviction_policy", "secondary_tiers"):
+            if key in extra:
+                values[key] = copy.deepcopy(extra[key])
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)

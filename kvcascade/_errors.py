@@ -1,0 +1,49 @@
+"""kvcascade's exception tree.
+
+::
+
+    KVCascadeError
+    ├── ConfigError (also ValueError)      bad configuration value or unknown key
+    ├── TraceError  (also ValueError)      missing or malformed trace file
+    ├── CorruptBlockError                  a stored block failed its checksum or length check
+    ├── TierUnavailableError               a tier cannot serve (closed, endpoint down)
+    └── TransferError                      a transfer job failed; carries the keys that did succeed
+
+Expected outcomes (a miss, a block no longer available) are typed results, not exceptions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class KVCascadeError(Exception):
+    """Base class of every error raised by kvcascade."""
+
+
+class ConfigError(KVCascadeError, ValueError):
+    """A configuration value is missing, of the wrong type or out of range."""
+
+
+class TraceError(KVCascadeError, ValueError):
+    """A trace file is missing or malformed."""
+
+
+class CorruptBlockError(KVCascadeError):
+    """A stored block failed its integrity check (checksum, length or header)."""
+
+
+class TierUnavailableError(KVCascadeError):
+    """A tier is closed or its backing store cannot be reached."""
+
+
+class TransferError(KVCascadeError):
+    """A transfer job failed.
+
+    Attributes:
+        succeeded: the keys of the job that were transferred before the failure.
+    """
+
+    def __init__(self, message: str, succeeded: Sequence[bytes] = ()) -> None:
+        super().__init__(message)
+        self.succeeded = list(succeeded)

@@ -1,0 +1,264 @@
+"""``kvcascade replay``: a simulated engine running a real trace through the cascade, byte-exact.
+
+Each trace request is one engine step: the GPU prefix cache (LRU over ``gpu_blocks`` blocks)
+serves the leading blocks it holds; the cascade finds the longest further prefix held by the CPU
+primary tier or a secondary tier, promotes and loads it into GPU blocks; the remaining blocks are
+"prefilled" with bytes that are a deterministic function of (block id, byte offset); the new
+blocks are then stored through the cascade. Every block loaded back into the GPU is compared byte
+for byte with the expected pattern: a mismatch is counted as corrupt and recomputed, never a hit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._config import CascadeConfig
+from ._errors import ConfigError
+from ._keys import make_offload_key
+from ._trace import TraceRequest
+from ._types import ReqContext
+from .cascade import Cascade, open_cascade
+
+_K1 = np.uint64(0x9E3779B97F4A7C15)
+_K2 = np.uint64(0xBF58476D1CE4E5B9)
+_K3 = np.uint64(0x94D049BB133111EB)
+
+
+def block_key(block_id: int) -> bytes:
+    """Offload key of trace block ``block_id`` (8-byte big-endian hash, group 0)."""
+    return make_offload_key(block_id.to_bytes(8, "big"), 0)
+
+
+def expected_bytes(block_ids: Sequence[int], nbytes: int) -> np.ndarray:
+    """The KV bytes the replay writes for each block: uint8 ``(len(block_ids), nbytes)``.
+
+    Word ``j`` of block ``b`` is ``mix(b) ^ (j × K)`` (64-bit), so any swapped, stale or flipped
+    byte shows.
+    """
+    ids = np.asarray(block_ids, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        seed = (ids + _K1) * _K2
+        seed ^= seed >> np.uint64(31)
+        seed *= _K3
+        words = -(-nbytes // 8)
+        pattern = np.arange(words, dtype=np.uint64)[None, :] * _K1 ^ seed[:, None]
+    return pattern.view(np.uint8)[:, :nbytes]
+
+
+class GPUPrefixCache:
+    """The engine's GPU prefix cache: LRU of block id → GPU block, ``capacity`` blocks."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.blocks: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self._free = list(range(capacity - 1, -1, -1))
+        self.evictions = 0
+
+    def leading_hits(self, hash_ids: Sequence[int]) -> int:
+        """Length of the leading run of ``hash_ids`` held by the cache."""
+        n = 0
+        for h in hash_ids:
+            if h not in self.blocks:
+                break
+            n += 1
+        return n
+
+    def touch(self, hash_ids: Sequence[int]) -> None:
+        """Move ``hash_ids`` to the most-recent end, in order."""
+        for h in hash_ids:
+            self.blocks.move_to_end(h)
+
+    def allocate(self, hash_ids: Sequence[int], protected: Sequence[int]) -> list[int]:
+        """GPU blocks for ``hash_ids`` (freed first if cached), evicting LRU unprotected blocks."""
+        for h in hash_ids:
+            if h in self.blocks:
+                self._free.append(self.blocks.pop(h))
+        keep = set(protected)
+        while len(self._free) < len(hash_ids):
+            victim = next(h for h in self.blocks if h not in keep)
+            self._free.append(self.blocks.pop(victim))
+            self.evictions += 1
+        out = [self._free.pop() for _ in hash_ids]
+        for h, gpu_id in zip(hash_ids, out):
+            self.blocks[h] = gpu_id
+        return out
+
+
+@dataclass
+class ReplayReport:
+    """What a replay measured. ``bytes`` and ``hit_blocks`` are keyed by tier / direction."""
+
+    requests: int = 0
+    block_instances: int = 0
+    hit_blocks: dict[str, int] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+    verified_blocks: int = 0
+    corrupt_blocks: int = 0
+    mismatched_blocks: int = 0
+    evictions: dict[str, int] = field(default_factory=dict)
+    dropped_store_blocks: int = 0
+    wall_s: float = 0.0
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prefix_hit_ratio(self) -> float:
+        """All hit block instances / block instances."""
+        return sum(self.hit_blocks.values()) / self.block_instances if self.block_instances else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as a JSON-ready dict (the ``--json`` file)."""
+        return {
+            "requests": self.requests,
+            "block_instances": self.block_instances,
+            "hit_blocks": dict(self.hit_blocks),
+            "prefix_hit_ratio": self.prefix_hit_ratio,
+            "bytes": dict(self.bytes),
+            "verified_blocks": self.verified_blocks,
+            "corrupt_blocks": self.corrupt_blocks,
+            "mismatched_blocks": self.mismatched_blocks,
+            "evictions": dict(self.evictions),
+            "dropped_store_blocks": self.dropped_store_blocks,
+            "wall_s": self.wall_s,
+            "config": self.config,
+        }
+
+
+async def replay(
+    trace: Sequence[TraceRequest],
+    config: CascadeConfig,
+    progress: Callable[[int], None] | None = None,
+) -> ReplayReport:
+    """Run ``trace`` through a cascade built from ``config``; see the module docstring.
+
+    Args:
+        trace: the requests, in arrival order (one step each).
+        config: tiers and sizes; ``config.gpu_blocks`` must hold the longest request.
+        progress: called with 1 after each request.
+
+    Raises:
+        ConfigError: the GPU cache cannot hold the longest request.
+    """
+    longest = max((len(r.hash_ids) for r in trace), default=0)
+    if longest > config.gpu_blocks:
+        raise ConfigError(
+            f"gpu_blocks={config.gpu_blocks} cannot hold the longest request ({longest} blocks); "
+            f"use --gpu-blocks {longest} or more"
+        )
+    report = ReplayReport(config=_describe(config))
+    report.hit_blocks = {"gpu": 0, "cpu": 0, **{t.get("name", t["type"]): 0 for t in config.secondary_tiers}}
+    gpu = GPUPrefixCache(config.gpu_blocks)
+    start = time.perf_counter()
+    async with open_cascade(config) as cascade:
+        for request in trace:
+            await _step(cascade, gpu, request, report)
+            if progress is not None:
+                progress(1)
+        _collect(cascade, gpu, report)
+    report.wall_s = time.perf_counter() - start
+    return report
+
+
+async def _step(cascade: Cascade, gpu: GPUPrefixCache, request: TraceRequest, report: ReplayReport) -> None:
+    ids = request.hash_ids
+    keys = [block_key(h) for h in ids]
+    ctx = ReqContext(f"req-{request.index}")
+    cascade.coordinator.on_new_request(ctx)
+    report.requests += 1
+    report.block_instances += len(ids)
+
+    g = gpu.leading_hits(ids)
+    gpu.touch(ids[:g])
+    report.hit_blocks["gpu"] += g
+    cascade.coordinator.touch(keys, ctx)
+    found = await cascade.lookup_prefix(keys[g:], ctx)
+    gpu_ids = gpu.allocate(ids[g:], protected=ids[:g])
+    loaded = 0
+    if found.num_hits:
+        result = await cascade.load(found.keys, ctx, gpu_ids[: found.num_hits])
+        loaded = _verify(cascade, ids[g : g + result.loaded], gpu_ids[: result.loaded], report)
+        for tier in found.tiers[:loaded]:
+            report.hit_blocks[tier] += 1
+    new_ids = ids[g + loaded :]
+    new_gpu = gpu_ids[loaded:]
+    if new_ids:
+        kv = cascade.device.kv
+        rows = torch.from_numpy(expected_bytes(new_ids, kv.shape[1]).view(np.int8))
+        kv.index_copy_(0, torch.as_tensor(new_gpu, dtype=torch.int64, device=kv.device), rows.to(kv.device))
+        # Like an engine storing chunk by chunk across steps: a prompt larger than the primary
+        # tier still reaches it (and the cascade) in pieces that fit.
+        piece = max(1, cascade.primary.num_blocks)
+        new_keys = keys[g + loaded :]
+        for i in range(0, len(new_keys), piece):
+            await cascade.store(new_keys[i : i + piece], ctx, new_gpu[i : i + piece])
+    cascade.finish_request(ctx)
+    await cascade.wait_cascades()
+
+
+def _verify(cascade: Cascade, ids: Sequence[int], gpu_ids: Sequence[int], report: ReplayReport) -> int:
+    """Compare loaded GPU blocks with the expected bytes; return the verified leading count."""
+    if not ids:
+        return 0
+    kv = cascade.device.kv
+    got = kv.index_select(0, torch.as_tensor(gpu_ids, dtype=torch.int64, device=kv.device)).cpu()
+    ok = np.all(got.numpy().view(np.uint8) == expected_bytes(ids, kv.shape[1]), axis=1)
+    good = len(ids) if ok.all() else int(np.argmin(ok))
+    report.verified_blocks += good
+    bad = int((~ok).sum())
+    report.mismatched_blocks += bad
+    report.corrupt_blocks += bad
+    return good
+
+
+def _collect(cascade: Cascade, gpu: GPUPrefixCache, report: ReplayReport) -> None:
+    device = cascade.device
+    report.bytes = {"gpu_to_cpu": device.bytes_stored, "cpu_to_gpu": device.bytes_loaded}
+    report.evictions = {"gpu": gpu.evictions, "cpu": cascade.primary.total_evictions}
+    for tier in cascade.tiers:
+        report.bytes[f"cpu_to_{tier.name}"] = tier.counters["store_bytes"]
+        report.bytes[f"{tier.name}_to_cpu"] = tier.counters["load_bytes"]
+        report.evictions[tier.name] = tier.counters["evictions"]
+        report.corrupt_blocks += tier.counters["corrupt_blocks"]
+    report.dropped_store_blocks = cascade.counters["store_dropped_blocks"]
+
+
+def _describe(config: CascadeConfig) -> dict[str, Any]:
+    return {
+        "block_bytes": config.block_bytes,
+        "gpu_blocks": config.gpu_blocks,
+        "cpu_blocks": config.num_cpu_blocks,
+        "eviction_policy": config.eviction_policy,
+        "secondary_tiers": [dict(t) for t in config.secondary_tiers],
+    }
+
+
+def run_replay(
+    trace: Sequence[TraceRequest],
+    config: CascadeConfig,
+    progress: Callable[[int], None] | None = None,
+) -> ReplayReport:
+    """Synchronous wrapper of :func:`replay` (runs its own event loop).
+
+    When ``config`` has an fs tier without ``root_dir``, a temporary directory is used and
+    removed afterwards.
+    """
+    tiers = config.secondary_tiers
+    needs_tmp = [t for t in tiers if t["type"] == "fs" and not t.get("root_dir")]
+    if not needs_tmp:
+        return asyncio.run(replay(trace, config, progress))
+    with tempfile.TemporaryDirectory(prefix="kvcascade-replay-") as tmp:
+        for t in needs_tmp:
+            t["root_dir"] = tmp
+        try:
+            return asyncio.run(replay(trace, config, progress))
+        finally:
+            for t in needs_tmp:
+                t.pop("root_dir", None)

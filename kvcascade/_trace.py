@@ -1,0 +1,79 @@
+"""Reading request traces (Mooncake JSONL: one request per line, chained block ids)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from ._errors import TraceError
+
+TOKENS_PER_BLOCK = 512
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request: arrival ``timestamp_ms``, ``input_length`` tokens, chained ``hash_ids``."""
+
+    index: int
+    timestamp_ms: int
+    input_length: int
+    hash_ids: tuple[int, ...]
+
+
+def bundled_trace() -> Path:
+    """Path of the bundled Mooncake conversation trace (Apache-2.0; see ``data/NOTICE.md``)."""
+    return Path(str(resources.files("kvcascade") / "data" / "mooncake_conversation_trace.jsonl"))
+
+
+def read_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[TraceRequest]:
+    """Parse a JSONL trace; each line needs ``hash_ids`` (a list of non-negative ints).
+
+    Args:
+        path: the trace file.
+        limit: read at most this many requests (None: all).
+
+    Raises:
+        TraceError: the file is missing, unreadable or empty, or a line is malformed (the
+            message names the file, the line number and the bad value).
+    """
+    return list(_iter_trace(Path(path), limit))
+
+
+def _iter_trace(path: Path, limit: int | None) -> Iterator[TraceRequest]:
+    try:
+        handle = path.open("r", encoding="utf-8")
+    except OSError as exc:
+        raise TraceError(f"cannot read trace {str(path)!r}: {exc.strerror or exc}") from exc
+    count = 0
+    with handle:
+        for lineno, line in enumerate(handle, 1):
+            if limit is not None and count >= limit:
+                return
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TraceError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+            if not isinstance(record, dict):
+                raise TraceError(f"{path}:{lineno}: expected a JSON object, got {line.strip()[:60]!r}")
+            ids = record.get("hash_ids")
+            if not isinstance(ids, list) or not all(
+                isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids
+            ):
+                raise TraceError(
+                    f"{path}:{lineno}: 'hash_ids' must be a list of non-negative integers, "
+                    f"got {str(ids)[:60]}"
+                )
+            ts = record.get("timestamp", 0)
+            length = record.get("input_length", len(ids) * TOKENS_PER_BLOCK)
+            if not isinstance(ts, (int, float)) or not isinstance(length, int):
+                raise TraceError(f"{path}:{lineno}: bad timestamp {ts!r} or input_length {length!r}")
+            yield TraceRequest(count, int(ts), length, tuple(ids))
+            count += 1
+    if count == 0:
+        raise TraceError(f"trace {str(path)!r} has no requests")

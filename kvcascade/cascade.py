@@ -1,0 +1,288 @@
+"""The cascade: one object that owns every tier, its actors' task group, and the awaitable API.
+
+``async with kvcascade.open_cascade(config) as cascade:`` builds the primary tier, the device
+tier and the secondary tiers, starts the tier actors in one task group, and on exit drains and
+stops them (no actor outlives the block). The awaitable API —
+:meth:`Cascade.lookup_prefix`, :meth:`Cascade.load`, :meth:`Cascade.store` — drives the same
+:class:`~kvcascade.coordinator.TieringCoordinator` state that a synchronous scheduler drives
+through its hooks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ._config import CascadeConfig
+from ._types import LookupResult, ReqContext
+from .coordinator import TieringCoordinator
+from .index.cpu import CPUOffloadingManager
+from .tiers._file_mapper import FileMapper, default_identity
+from .tiers.base import SecondaryTier
+from .tiers.cpu import HostBuffer
+from .tiers.device import DeviceTier
+from .tiers.fs import fs_tier_from_config
+from .tiers.memory import MemoryTier
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+@dataclass
+class PrefixLookup:
+    """The leading keys available in some tier, and where each one comes from.
+
+    ``tiers[i]`` is ``"cpu"`` for a primary-tier hit or the secondary tier's name for a block
+    being promoted from it.
+    """
+
+    keys: list[bytes] = field(default_factory=list)
+    tiers: list[str] = field(default_factory=list)
+
+    @property
+    def num_hits(self) -> int:
+        """Number of leading keys available."""
+        return len(self.keys)
+
+
+@dataclass
+class LoadResult:
+    """Outcome of :meth:`Cascade.load`: how many leading keys reached the GPU.
+
+    ``loaded`` keys were copied (``bytes`` in total, ``seconds`` of device copy); the keys after
+    them failed (promotion failure, corrupt block) and must be recomputed.
+    """
+
+    loaded: int
+    bytes: int = 0
+    seconds: float = 0.0
+    failed_keys: list[bytes] = field(default_factory=list)
+
+
+@dataclass
+class StoreResult:
+    """Outcome of :meth:`Cascade.store`: keys newly written to the primary tier, and dropped."""
+
+    stored: list[bytes] = field(default_factory=list)
+    dropped: int = 0
+    bytes: int = 0
+
+
+def _build_tier(index: int, cfg: dict, host: HostBuffer, config: CascadeConfig) -> SecondaryTier:
+    cfg = dict(cfg)
+    kind = cfg.pop("type")
+    if kind in ("memory", "example"):
+        return MemoryTier(host, name=cfg.get("name", kind))
+    identity = default_identity(
+        model_name=config.model_name, cache_salt=config.cache_salt, block_bytes=config.block_bytes
+    )
+    return fs_tier_from_config(host, FileMapper(identity), cfg)
+
+
+class Cascade:
+    """GPU → CPU → secondary tiers, built from a :class:`CascadeConfig`.
+
+    Use :func:`open_cascade`; constructing directly does not start the actors.
+
+    Attributes:
+        host: the primary tier's buffer (``num_cpu_blocks × row_bytes`` bytes).
+        primary: the primary tier's bookkeeping.
+        device: the device tier (the KV cache ``(gpu_blocks, block_bytes)`` int8).
+        tiers: secondary tiers in cascade order.
+        coordinator: the synchronous hooks over all of them.
+    """
+
+    def __init__(self, config: CascadeConfig) -> None:
+        self.config = config
+        self.host = HostBuffer(config.num_cpu_blocks, config.block_bytes)
+        self.primary = CPUOffloadingManager(
+            config.num_cpu_blocks, config.eviction_policy, enable_events=config.enable_events
+        )
+        self.device = DeviceTier(config.gpu_blocks, self.host)
+        self.tiers: list[SecondaryTier] = []
+        try:
+            for i, tier_cfg in enumerate(config.secondary_tiers):
+                self.tiers.append(_build_tier(i, tier_cfg, self.host, config))
+        except BaseException:
+            self._release()
+            raise
+        self.coordinator = TieringCoordinator(self.primary, self.tiers)
+        self._pins: dict[str, collections.Counter[bytes]] = {}
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    # -- awaitable API ---------------------------------------------------------------------
+    async def lookup_prefix(self, keys: Sequence[bytes], ctx: ReqContext) -> PrefixLookup:
+        """The longest prefix of ``keys`` available in any tier (awaits secondary probes).
+
+        Primary hits are pinned at once (released by :meth:`load` or :meth:`finish_request`);
+        secondary hits get a primary slot reserved and a promotion queued, as with vLLM's
+        lookup (spec §3.6), so they cannot be evicted before :meth:`load`.
+        """
+        coord = self.coordinator
+        absent = [k for k in keys if self.primary.get_block(k) is None]
+        found: list[dict[bytes, bool]] = []
+        for tier in self.tiers:
+            answers = await tier.contains(absent) if absent else []
+            found.append(dict(zip(absent, answers)))
+        out = PrefixLookup()
+        pins = self._pins.setdefault(ctx.req_id, collections.Counter())
+        for key in keys:
+            verdicts = {i: f[key] for i, f in enumerate(found) if key in f}
+            in_primary = self.primary.get_block(key) is not None
+            result = coord.lookup(key, ctx, verdicts=verdicts)
+            if result is LookupResult.HIT:
+                coord.prepare_load([key], ctx)
+                pins[key] += 1
+                out.tiers.append("cpu")
+            elif result is LookupResult.HIT_PENDING:
+                source = "cpu" if in_primary else next(
+                    self.tiers[i].name for i, f in sorted(verdicts.items()) if f
+                )
+                out.tiers.append(source)
+            else:
+                break
+            out.keys.append(key)
+        return out
+
+    async def load(self, keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Sequence[int]) -> LoadResult:
+        """Bring ``keys`` (a prefix found by :meth:`lookup_prefix`) into GPU blocks ``gpu_ids``.
+
+        Flushes and awaits the promotions, then copies the leading run of keys that are ready
+        in the primary tier. Keys after the first failure are released and reported in
+        ``failed_keys``; a failed key is never reported as loaded.
+
+        Raises:
+            ValueError: ``keys`` and ``gpu_ids`` differ in length.
+        """
+        if len(keys) != len(gpu_ids):
+            raise ValueError(f"{len(keys)} keys but {len(gpu_ids)} GPU block ids")
+        coord = self.coordinator
+        coord.on_schedule_end()
+        waits = coord.job_futures(promotions=True, keys=keys)
+        if waits:
+            await asyncio.wait(waits)
+        coord.poll_now()
+        pins = self._pins.setdefault(ctx.req_id, collections.Counter())
+        ready: list[bytes] = []
+        for key in keys:
+            block = self.primary.get_block(key)
+            if block is None or block.ref_cnt < 0:
+                break
+            if not pins[key]:
+                coord.prepare_load([key], ctx)
+                pins[key] += 1
+            ready.append(key)
+        result = LoadResult(0, failed_keys=list(keys[len(ready):]))
+        if ready:
+            slots = np.asarray([self.primary.get_block(k).block_id for k in ready], dtype=np.int64)  # type: ignore[union-attr]
+            transfer = await self.device.load(slots, np.asarray(gpu_ids[: len(ready)], dtype=np.int64))
+            if transfer.success:
+                result = LoadResult(len(ready), transfer.bytes, transfer.seconds, list(keys[len(ready):]))
+            else:
+                log.warning("device load failed: %s", transfer.error)
+                result = LoadResult(0, failed_keys=list(keys))
+        self._release_pins(ctx, keys)
+        return result
+
+    async def store(self, keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Sequence[int]) -> StoreResult:
+        """Offload GPU blocks ``gpu_ids[i]`` under ``keys[i]`` (GPU → CPU, then the cascade).
+
+        Keys already present are skipped. When the primary tier has no evictable room, waits
+        for in-flight cascades to release their pins and tries once more; keys that still do not
+        fit are dropped (counted). The cascade to secondary tiers runs in the background.
+
+        Raises:
+            ValueError: ``keys`` and ``gpu_ids`` differ in length.
+        """
+        if len(keys) != len(gpu_ids):
+            raise ValueError(f"{len(keys)} keys but {len(gpu_ids)} GPU block ids")
+        coord = self.coordinator
+        out = coord.prepare_store(keys, ctx)
+        if out is None and (cascades := coord.job_futures(promotions=False)):
+            await asyncio.wait(cascades)
+            coord.poll_now()
+            out = coord.prepare_store(keys, ctx)
+        if out is None:
+            self.counters["store_dropped_blocks"] += len(keys)
+            return StoreResult(dropped=len(keys))
+        if not out.keys_to_store:
+            return StoreResult()
+        index = {k: i for i, k in enumerate(keys)}
+        src = np.asarray([gpu_ids[index[k]] for k in out.keys_to_store], dtype=np.int64)
+        transfer = await self.device.store(src, out.store_spec.block_ids)  # type: ignore[attr-defined]
+        coord.complete_store(out.keys_to_store, ctx, success=transfer.success)
+        if not transfer.success:
+            log.warning("device store failed: %s", transfer.error)
+            self.counters["store_dropped_blocks"] += len(out.keys_to_store)
+            return StoreResult(dropped=len(out.keys_to_store))
+        return StoreResult(out.keys_to_store, 0, transfer.bytes)
+
+    def _release_pins(self, ctx: ReqContext, keys: Sequence[bytes] | None = None) -> None:
+        pins = self._pins.get(ctx.req_id)
+        if not pins:
+            return
+        for key in list(pins if keys is None else keys):
+            count = pins.pop(key, 0)
+            if count:
+                self.coordinator.complete_load([key] * count, ctx)
+
+    def finish_request(self, ctx: ReqContext) -> None:
+        """The request will submit nothing more: release its pins, tell the coordinator."""
+        self._release_pins(ctx)
+        self._pins.pop(ctx.req_id, None)
+        self.coordinator.on_request_finished(ctx)
+
+    async def wait_cascades(self) -> None:
+        """Wait for every cascade in flight and apply the results (replay's step barrier)."""
+        cascades = self.coordinator.job_futures(promotions=False)
+        if cascades:
+            await asyncio.wait(cascades)
+        self.coordinator.poll_now()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def _shutdown(self) -> None:
+        try:
+            async with asyncio.timeout(SHUTDOWN_TIMEOUT_S):
+                for tier in self.tiers:
+                    await tier.drain()
+        except TimeoutError:
+            log.warning("cascade shutdown: tiers did not drain within %.0f s", SHUTDOWN_TIMEOUT_S)
+        for tier in self.tiers:
+            tier.close()
+
+    def _release(self) -> None:
+        self.device.close()
+        self.host.close()
+
+
+@contextlib.asynccontextmanager
+async def open_cascade(config: CascadeConfig) -> AsyncIterator[Cascade]:
+    """Build a :class:`Cascade`, run its tier actors in one task group, and stop them on exit.
+
+    On exit every tier is drained (bounded by ``SHUTDOWN_TIMEOUT_S`` seconds), its actor stops,
+    its threads are joined, and the host buffer is unmapped.
+
+    Raises:
+        ConfigError: a bad configuration value.
+        OSError: a tier's directory cannot be created.
+    """
+    cascade = Cascade(config)
+    try:
+        async with asyncio.TaskGroup() as group:
+            for tier in cascade.tiers:
+                started = asyncio.Event()
+                group.create_task(tier.run(started.set), name=f"kvcascade-{tier.name}")
+                await started.wait()
+            try:
+                yield cascade
+            finally:
+                await cascade._shutdown()
+    finally:
+        cascade._release()

@@ -1,0 +1,5 @@
+"""Bookkeeping: synchronous, no I/O, no asyncio."""
+
+from .cpu import CPUOffloadingManager, CPUTierStats
+
+__all__ = ["CPUOffloadingManager", "CPUTierStats"]

@@ -1,0 +1,166 @@
+"""Just-in-time build of the ``kernels/`` C++ (and, with CUDA, ``.cu``) extension.
+
+:func:`load_extension` builds once per process with :func:`torch.utils.cpp_extension.load` into
+``$KVCASCADE_BUILD_DIR`` or ``~/.cache/kvcascade/torch_extensions/<name>``, where ``<name>`` hashes
+the sources, the torch and Python versions and the CUDA flag, so a cached build is reused across
+processes and never mixed with another torch. The CUDA source is compiled in only when torch was
+built with CUDA and a device is available. If the build fails, one warning is logged and ``None``
+is returned; callers fall back to the pure-torch path.
+
+Sources are found in ``kvcascade/_kernels`` (installed wheel, hatchling force-include) or
+``<repo>/kernels`` (source checkout); ``KVCASCADE_KERNELS_DIR`` overrides both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import sys
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger("kvcascade.ops")
+
+CPP_SOURCE = "swap_blocks.cpp"
+CUDA_SOURCE = "swap_blocks_cuda.cu"
+TRITON_SOURCE = "triton_swap.py"
+
+_lock = threading.Lock()
+_extension: ModuleType | None = None
+_attempted = False
+_error: str | None = None
+_triton: ModuleType | None = None
+_triton_attempted = False
+
+
+def kernels_dir() -> Path | None:
+    """The directory holding the kernel sources, or ``None`` if none is found."""
+    env = os.environ.get("KVCASCADE_KERNELS_DIR")
+    package = Path(__file__).resolve().parent.parent
+    candidates = [Path(env)] if env else []
+    candidates += [package / "_kernels", package.parent / "kernels"]
+    for c in candidates:
+        if (c / CPP_SOURCE).is_file():
+            return c
+    return None
+
+
+def cuda_wanted() -> bool:
+    """Whether the CUDA source should be compiled in (torch built with CUDA, a device present)."""
+    return torch.version.cuda is not None and torch.cuda.is_available()
+
+
+def build_dir(name: str) -> Path:
+    """The build directory for extension ``name`` (created)."""
+    root = os.environ.get("KVCASCADE_BUILD_DIR")
+    base = Path(root) if root else Path.home() / ".cache" / "kvcascade" / "torch_extensions"
+    path = base / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _extension_name(sources: list[Path], with_cuda: bool) -> str:
+    h = hashlib.sha256()
+    for src in sources:
+        h.update(src.name.encode())
+        h.update(src.read_bytes())
+    h.update(f"{torch.__version__}|{sys.version_info[:2]}|{with_cuda}".encode())
+    return f"kvcascade_swap_{h.hexdigest()[:12]}"
+
+
+def _build() -> ModuleType:
+    from torch.utils import cpp_extension
+
+    src_dir = kernels_dir()
+    if src_dir is None:
+        raise FileNotFoundError("kernel sources not found (kvcascade/_kernels or <repo>/kernels)")
+    with_cuda = cuda_wanted()
+    sources = [src_dir / CPP_SOURCE] + ([src_dir / CUDA_SOURCE] if with_cuda else [])
+    name = _extension_name(sources, with_cuda)
+    cflags = ["-O3", "-std=c++17", "-pthread"] + (["-DKVCASCADE_WITH_CUDA"] if with_cuda else [])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(s) for s in sources],
+            extra_cflags=cflags,
+            extra_cuda_cflags=["-O3"] if with_cuda else None,
+            extra_ldflags=["-pthread"],
+            build_directory=str(build_dir(name)),
+            with_cuda=with_cuda,
+            verbose=False,
+        )
+    for w in caught:
+        log.debug("kernel build: %s", w.message)
+    return module
+
+
+def load_extension() -> ModuleType | None:
+    """The compiled extension module (built on first call), or ``None`` if it cannot be built.
+
+    The module has ``batch_copy(src_ptrs, dst_ptrs, sizes) -> int``, ``has_cuda() -> bool`` and,
+    when CUDA was compiled in,
+    ``batch_copy_cuda(src_ptrs, dst_ptrs, sizes, stream, src_access_any) -> int``.
+    Set ``KVCASCADE_DISABLE_EXTENSION=1`` to skip the build.
+    """
+    global _extension, _attempted, _error
+    if _attempted:
+        return _extension
+    with _lock:
+        if _attempted:
+            return _extension
+        if os.environ.get("KVCASCADE_DISABLE_EXTENSION") == "1":
+            _error = "disabled by KVCASCADE_DISABLE_EXTENSION=1"
+        else:
+            try:
+                _extension = _build()
+            except Exception as exc:  # any compiler / loader failure → pure-torch fallback
+                _error = f"{type(exc).__name__}: {exc}"
+                log.warning(
+                    "kvcascade: building the copy kernels failed, using the pure-torch path (%s)",
+                    _error,
+                )
+        _attempted = True
+    return _extension
+
+
+def extension_error() -> str | None:
+    """Why :func:`load_extension` returned ``None`` (``None`` if it succeeded or was not tried)."""
+    return _error
+
+
+def load_triton() -> ModuleType | None:
+    """The ``triton_swap`` kernel module, or ``None`` when Triton or the source is unavailable."""
+    global _triton, _triton_attempted
+    if _triton_attempted:
+        return _triton
+    with _lock:
+        if _triton_attempted:
+            return _triton
+        _triton_attempted = True
+        src_dir = kernels_dir()
+        path = src_dir / TRITON_SOURCE if src_dir is not None else None
+        if path is None or not path.is_file() or importlib.util.find_spec("triton") is None:
+            return None
+        name = "kvcascade._kernels_triton_swap"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            sys.modules.pop(name, None)
+            log.warning(
+                "kvcascade: loading the Triton kernel failed (%s: %s)", type(exc).__name__, exc
+            )
+            return None
+        _triton = module
+    return _triton

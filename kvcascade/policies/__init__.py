@@ -1,0 +1,14 @@
+"""Eviction policies of the CPU primary tier and their registry."""
+
+from .base import BlockStatus, CachePolicy
+from .lru import LRUCachePolicy
+from .registry import register_cache_policy, registered_cache_policies, resolve_cache_policy
+
+__all__ = [
+    "BlockStatus",
+    "CachePolicy",
+    "LRUCachePolicy",
+    "register_cache_policy",
+    "registered_cache_policies",
+    "resolve_cache_policy",
+]

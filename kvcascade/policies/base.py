@@ -1,0 +1,87 @@
+"""The cache-policy interface of the CPU primary tier (spec §2.4).
+
+A policy owns the key → :class:`BlockStatus` map of the primary tier and decides eviction order.
+It is synchronous, does no I/O, and is driven only by :class:`kvcascade.CPUOffloadingManager`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Iterable
+
+from .._types import ReqContext
+
+
+class BlockStatus:
+    """State of one tracked primary-tier block (spec §2.1).
+
+    Attributes:
+        ref_cnt: ``-1`` not ready (a write into the slot is in flight); ``0`` ready and idle
+            (evictable); ``n > 0`` ready and pinned by ``n`` in-flight reads.
+        block_id: the primary-tier slot (0 … num_blocks-1).
+    """
+
+    __slots__ = ("block_id", "ref_cnt")
+
+    def __init__(self, block_id: int, ref_cnt: int = -1) -> None:
+        self.block_id = block_id
+        self.ref_cnt = ref_cnt
+
+    @property
+    def is_ready(self) -> bool:
+        """True once the write into the slot completed (``ref_cnt >= 0``)."""
+        return self.ref_cnt >= 0
+
+    def __repr__(self) -> str:
+        return f"BlockStatus(block_id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+class CachePolicy(ABC):
+    """Eviction policy of the primary tier; same contract as vLLM's ``CachePolicy`` (spec §2.4).
+
+    Implementations are constructed as ``cls(cache_capacity=num_blocks)``. Every method runs on
+    the caller's thread and must be cheap (O(1) or O(log n) per key).
+    """
+
+    def __init__(self, cache_capacity: int) -> None:
+        self.cache_capacity = cache_capacity
+
+    @abstractmethod
+    def get(self, key: bytes) -> BlockStatus | None:
+        """The block tracked under ``key``, or None. Never changes recency."""
+
+    @abstractmethod
+    def insert(self, key: bytes, block: BlockStatus) -> None:
+        """Track a new block (normally not ready, ``ref_cnt == -1``)."""
+
+    @abstractmethod
+    def remove(self, key: bytes) -> None:
+        """Forget ``key`` (failed-store cleanup); no ghost entry is kept."""
+
+    @abstractmethod
+    def touch(self, keys: Collection[bytes], ctx: ReqContext | None = None) -> None:
+        """Mark ``keys`` recently used; the *first* key ends up most recent."""
+
+    @abstractmethod
+    def evict(
+        self, n: int, protected: Collection[bytes]
+    ) -> list[tuple[bytes, BlockStatus]] | None:
+        """Choose and forget exactly ``n`` evictable (``ref_cnt == 0``), unprotected blocks.
+
+        Atomic: returns None and changes nothing when fewer than ``n`` candidates exist.
+        ``evict(0, ...)`` returns ``[]``.
+        """
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Forget everything (ghost state too)."""
+
+    def mark_evictable(self, key: bytes) -> None:  # noqa: B027 - optional hook
+        """Hook: the block's ``ref_cnt`` became 0."""
+
+    def mark_non_evictable(self, key: bytes) -> None:  # noqa: B027 - optional hook
+        """Hook: the block's ``ref_cnt`` left 0."""
+
+    @abstractmethod
+    def keys(self) -> Iterable[bytes]:
+        """Every tracked key (for diagnostics and invariant checks)."""

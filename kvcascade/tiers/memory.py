@@ -1,0 +1,44 @@
+"""An in-memory secondary tier (``type: "memory"``; vLLM's ``example`` tier is an alias).
+
+Shipped for users' tests: it behaves like a real tier (actor, jobs, futures, events) without disks
+or S3. Blocks are kept as ``bytes`` copies in a dict; nothing is ever evicted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .._errors import TransferError
+from .base import SecondaryTier
+from .cpu import HostBuffer
+
+
+class MemoryTier(SecondaryTier):
+    """Secondary tier keeping every block in a Python dict (unbounded)."""
+
+    medium = SecondaryTier.medium
+
+    def __init__(self, host: HostBuffer, name: str = "memory", io_threads: int = 1) -> None:
+        super().__init__(name, host, io_threads=io_threads)
+        self.blocks: dict[bytes, bytes] = {}
+
+    def _store_blocks(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
+        for key, row in zip(keys, rows):
+            self.blocks.setdefault(key, bytes(row))
+        return sum(len(r) for r in rows)
+
+    def _load_blocks(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
+        for i, (key, row) in enumerate(zip(keys, rows)):
+            data = self.blocks.get(key)
+            if data is None:
+                raise TransferError(f"memory tier has no block {key!r}", keys[:i])
+            row[:] = data
+        return sum(len(r) for r in rows)
+
+    def _probe(self, keys: Sequence[bytes]) -> list[bool]:
+        return [k in self.blocks for k in keys]
+
+
+def make_memory_tier(host: HostBuffer, name: str = "memory") -> MemoryTier:
+    """Factory used by the ``secondary_tiers`` config (``type: "memory"`` or ``"example"``)."""
+    return MemoryTier(host, name=name)
