@@ -1,0 +1,199 @@
+"""``kvcascade replay`` on slices of the bundled Mooncake trace (issue #2)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from kvcascade import CascadeConfig, TraceError
+from kvcascade._cli import main
+from kvcascade._replay import block_key, run_replay
+from kvcascade._trace import TraceRequest, bundled_trace, read_trace
+from kvcascade.tiers._file_mapper import FileMapper, default_identity
+from kvcascade.tiers.fs import HEADER_BYTES, check_block
+
+
+@pytest.fixture(scope="module")
+def trace() -> list[TraceRequest]:
+    return read_trace(bundled_trace(), limit=400)
+
+
+def ideal_hits(trace: Sequence[TraceRequest]) -> int:
+    """Block instances whose id was seen before, within the request's leading run of seen ids."""
+    seen: set[int] = set()
+    hits = 0
+    for request in trace:
+        for h in request.hash_ids:
+            if h not in seen:
+                break
+            hits += 1
+        seen.update(request.hash_ids)
+    return hits
+
+
+def two_level_lru(trace: Sequence[TraceRequest], gpu_blocks: int, cpu_blocks: int) -> dict[str, int]:
+    """A plain simulation of the replay's GPU LRU prefix cache over a CPU LRU tier (no fs).
+
+    CPU recency follows vLLM's LRU (spec §2.4): touch of all the request's keys in reverse
+    order, loaded keys re-enter at the most-recent end in order, stores skip present keys,
+    evict least-recent keys not in the store call, and append the new keys in order.
+    """
+    gpu: collections.OrderedDict[int, None] = collections.OrderedDict()
+    cpu: collections.OrderedDict[int, None] = collections.OrderedDict()
+    hits = {"gpu": 0, "cpu": 0}
+    for request in trace:
+        ids = request.hash_ids
+        g = 0
+        while g < len(ids) and ids[g] in gpu:
+            g += 1
+        for h in ids[:g]:
+            gpu.move_to_end(h)
+        for h in reversed(ids):
+            if h in cpu:
+                cpu.move_to_end(h)
+        c = 0
+        while g + c < len(ids) and ids[g + c] in cpu:
+            c += 1
+        for h in ids[g : g + c]:
+            cpu.move_to_end(h)
+        for h in ids[g:]:
+            gpu.pop(h, None)
+        while len(gpu) + len(ids) - g > gpu_blocks:
+            victim = next(h for h in gpu if h not in ids[:g])
+            del gpu[victim]
+        for h in ids[g:]:
+            gpu[h] = None
+        new = ids[g + c :]
+        for i in range(0, len(new), cpu_blocks):
+            piece = new[i : i + cpu_blocks]
+            to_store = [h for h in dict.fromkeys(piece) if h not in cpu]
+            need = len(to_store) - (cpu_blocks - len(cpu))
+            if need > 0:
+                victims = [h for h in cpu if h not in piece][:need]
+                if len(victims) < need:
+                    continue
+                for h in victims:
+                    del cpu[h]
+            for h in to_store:
+                cpu[h] = None
+        hits["gpu"] += g
+        hits["cpu"] += c
+    return hits
+
+
+def test_unbounded_capacity_reaches_the_trace_ideal(trace: list[TraceRequest]) -> None:
+    """Nothing evicted → prefix_hit_ratio equals the trace's ideal (issue #2)."""
+    config = CascadeConfig(block_bytes=64, gpu_blocks=256, cpu_blocks=20_000)
+    report = run_replay(trace, config)
+    instances = sum(len(r.hash_ids) for r in trace)
+    assert report.block_instances == instances
+    assert sum(report.hit_blocks.values()) == ideal_hits(trace)
+    assert report.prefix_hit_ratio == pytest.approx(ideal_hits(trace) / instances)
+    assert report.evictions["cpu"] == 0
+    assert report.verified_blocks == report.hit_blocks["cpu"] > 0
+    assert report.corrupt_blocks == 0
+
+
+@pytest.mark.parametrize(("gpu_blocks", "cpu_blocks"), [(256, 64), (300, 700)])
+def test_two_level_lru_matches_plain_simulation(
+    trace: list[TraceRequest], gpu_blocks: int, cpu_blocks: int
+) -> None:
+    """Small GPU, no fs: per-tier hits equal an independent two-level LRU simulation."""
+    config = CascadeConfig(block_bytes=64, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks)
+    report = run_replay(trace, config)
+    expected = two_level_lru(trace, gpu_blocks, cpu_blocks)
+    assert report.hit_blocks == expected
+    assert report.evictions["cpu"] > 0
+    assert report.verified_blocks == expected["cpu"]
+
+
+def test_fs_tier_serves_what_the_cpu_tier_evicted(trace: list[TraceRequest], tmp_path: Path) -> None:
+    """With a tiny CPU tier the fs tier supplies the hits, byte-exact, and bytes add up."""
+    config = CascadeConfig(
+        block_bytes=256, gpu_blocks=256, cpu_blocks=250,
+        secondary_tiers=[{"type": "fs", "root_dir": str(tmp_path)}],
+    )
+    report = run_replay(trace[:200], config)
+    assert report.hit_blocks["fs"] > 0
+    assert report.bytes["fs_to_cpu"] == 256 * report.hit_blocks["fs"]
+    assert report.bytes["cpu_to_gpu"] == 256 * (report.hit_blocks["fs"] + report.hit_blocks["cpu"])
+    assert report.bytes["cpu_to_fs"] == report.bytes["gpu_to_cpu"]
+    assert report.verified_blocks == report.hit_blocks["fs"] + report.hit_blocks["cpu"]
+    assert report.corrupt_blocks == 0
+
+
+def test_corrupt_block_file_is_detected_and_recomputed(trace: list[TraceRequest], tmp_path: Path) -> None:
+    """A byte flipped in a block file is caught before use: counted corrupt, treated as a miss."""
+    tiers = [{"type": "fs", "root_dir": str(tmp_path)}]
+    config = CascadeConfig(block_bytes=256, gpu_blocks=256, cpu_blocks=8, secondary_tiers=tiers)
+    first = run_replay(trace[:50], config)
+    assert first.corrupt_blocks == 0
+    mapper = FileMapper(default_identity(block_bytes=256))
+    path = tmp_path / mapper.relative_path(block_key(trace[1].hash_ids[0]))
+    data = bytearray(path.read_bytes())
+    data[HEADER_BYTES + 17] ^= 0x01
+    path.write_bytes(bytes(data))
+
+    second = run_replay(trace[1:2], config)  # a fresh cascade on the same directory
+    assert second.corrupt_blocks == 1
+    assert second.mismatched_blocks == 0
+    assert second.hit_blocks["fs"] == 0  # the corrupt first block ends the prefix
+    repaired = path.read_bytes()  # recomputed and stored again
+    check_block(repaired[:HEADER_BYTES], memoryview(repaired[HEADER_BYTES:]), str(path))
+
+
+def test_json_report_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.json"
+    code = main(["replay", "--requests", "30", "--block-bytes", "128", "--cpu-blocks", "16",
+                 "--fs-dir", str(tmp_path / "fs"), "--json", str(out), "--quiet"])
+    assert code == 0
+    report = json.loads(out.read_text())
+    for field in ("requests", "block_instances", "hit_blocks", "prefix_hit_ratio", "bytes",
+                  "verified_blocks", "corrupt_blocks", "evictions", "wall_s"):
+        assert field in report
+    assert report["requests"] == 30
+    assert set(report["hit_blocks"]) == {"gpu", "cpu", "fs"}
+    assert set(report["bytes"]) == {"gpu_to_cpu", "cpu_to_fs", "fs_to_cpu", "cpu_to_gpu"}
+    assert "prefix hit ratio" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["replay", "/nonexistent/trace.jsonl"], "/nonexistent/trace.jsonl"),
+        (["replay", "--requests", "2", "--config", '{"cpu_bytes": 1}'], "cpu_bytes"),
+        (["replay", "--requests", "2", "--config", "{not json"], "not valid JSON"),
+        (["replay", "--requests", "2", "--eviction-policy", "nope"], "nope"),
+        (["replay", "--requests", "2", "--gpu-blocks", "3"], "gpu_blocks=3"),
+        (["replay", "--requests", "2", "--config", '{"secondary_tiers": [{"type": "tape"}]}'], "tape"),
+    ],
+)
+def test_bad_input_is_one_clear_error(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_malformed_trace_line_names_line(tmp_path: Path) -> None:
+    bad = tmp_path / "t.jsonl"
+    bad.write_text('{"hash_ids": [1, 2]}\n{"hash_ids": [3, -4]}\n')
+    with pytest.raises(TraceError, match=r"t.jsonl:2: 'hash_ids'"):
+        read_trace(bad)
+
+
+def test_negative_size_exits_nonzero_without_traceback() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcascade._cli", "replay", "--cpu-blocks", "-5"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.returncode == 2
+    assert "-5" in proc.stderr
+    assert "Traceback" not in proc.stderr
