@@ -264,25 +264,35 @@ class Cascade:
 
 @contextlib.asynccontextmanager
 async def open_cascade(config: CascadeConfig) -> AsyncIterator[Cascade]:
-    """Build a :class:`Cascade`, run its tier actors in one task group, and stop them on exit.
+    """Build a :class:`Cascade`, run its tier actors, and stop them when the block exits.
 
-    On exit every tier is drained (bounded by ``SHUTDOWN_TIMEOUT_S`` seconds), its actor stops,
-    its threads are joined, and the host buffer is unmapped.
+    On exit (normal or by an exception, which propagates unchanged) every tier is drained
+    (bounded by ``SHUTDOWN_TIMEOUT_S`` seconds), its actor stops, its threads are joined, and
+    the host buffer is unmapped; no actor task outlives the block.
 
     Raises:
         ConfigError: a bad configuration value.
         OSError: a tier's directory cannot be created.
     """
     cascade = Cascade(config)
+    actors: list[asyncio.Task[None]] = []
     try:
-        async with asyncio.TaskGroup() as group:
-            for tier in cascade.tiers:
-                started = asyncio.Event()
-                group.create_task(tier.run(started.set), name=f"kvcascade-{tier.name}")
-                await started.wait()
-            try:
-                yield cascade
-            finally:
-                await cascade._shutdown()
+        for tier in cascade.tiers:
+            started = asyncio.Event()
+            actor = asyncio.create_task(tier.run(started.set), name=f"kvcascade-{tier.name}")
+            actors.append(actor)
+            ready = asyncio.create_task(started.wait())
+            await asyncio.wait([actor, ready], return_when=asyncio.FIRST_COMPLETED)
+            ready.cancel()
+            if actor.done():
+                actor.result()  # the actor failed to start: raise its error
+        yield cascade
     finally:
+        await cascade._shutdown()
+        done, pending = await asyncio.wait(actors, timeout=SHUTDOWN_TIMEOUT_S) if actors else ((), ())
+        for actor in pending:
+            actor.cancel()
+        for actor in done:
+            if not actor.cancelled() and actor.exception() is not None:
+                log.error("tier actor %s failed: %r", actor.get_name(), actor.exception())
         cascade._release()
