@@ -1,13 +1,16 @@
 """Bookkeeping of the CPU primary tier: slots, ref counts, eviction (spec §2.1–2.3).
 
 Synchronous, no I/O, no asyncio: every method returns at once. Data never passes through here;
-the slots it hands out are rows of the primary tier's host buffer (:mod:`kvcascade.tiers.cpu`).
+the slots it hands out are rows of the primary tier's host buffer (:mod:`kvcascade.tiers.cpu`,
+:mod:`kvcascade.tiers.shm`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from .._errors import ConfigError
 from .._types import (
@@ -22,22 +25,62 @@ from .._types import (
 from ..policies.base import BlockStatus, CachePolicy
 from ..policies.registry import resolve_cache_policy
 
+#: Upper bounds of the allocation-size histogram buckets (vLLM's ``kv_offload_cpu_allocation_size``
+#: buckets: powers of 4 from 1 to 262144); a last, unbounded bucket follows.
+ALLOCATION_SIZE_BUCKETS: tuple[int, ...] = tuple(4**i for i in range(10))
+
+_MISS = LookupResult.MISS
+_HIT = LookupResult.HIT
+_HIT_PENDING = LookupResult.HIT_PENDING
+
+
+def _bucket(n: int) -> int:
+    """Index of the first bucket whose bound is ``>= n`` (``n >= 1``); 10 = above 262144."""
+    return min(((n - 1).bit_length() + 1) >> 1, len(ALLOCATION_SIZE_BUCKETS))
+
+
+_SMALL = 257
+_BUCKET_OF = (0, *(_bucket(n) for n in range(1, _SMALL)))  # precomputed for the common sizes
+
+
+def _cpu_spec(slots: list[int]) -> CPULoadStoreSpec:
+    """A :class:`CPULoadStoreSpec` over ``slots`` (int64), built without re-validating the list."""
+    spec = CPULoadStoreSpec.__new__(CPULoadStoreSpec)
+    spec.block_ids = np.array(slots, dtype=np.int64)
+    return spec
+
 
 @dataclass
 class CPUTierStats:
-    """Counters of the primary tier since the last :meth:`CPUOffloadingManager.get_stats` call.
+    """Primary-tier metrics returned by :meth:`CPUOffloadingManager.get_stats` (spec §2.3).
 
-    Gauges are fractions of ``num_blocks``: ``usage`` = pinned by in-flight transfers,
-    ``write_usage`` = not-ready (writes in flight), ``read_usage`` = max(usage − write, 0).
+    Gauges (fractions of ``num_blocks``, 0 when ``num_blocks == 0``), measured at the call:
+        usage: blocks pinned by in-flight transfers (not ready or being read) — vLLM's
+            ``kv_offload_cpu_cache_usage_perc``.
+        write_usage: blocks not ready (writes in flight) — ``…_cpu_cache_write_usage_perc``.
+        read_usage: ``max(usage − write_usage, 0)`` — ``…_cpu_cache_read_usage_perc``.
+
+    Counters since the previous call:
+        allocation_counts: per bucket of :data:`ALLOCATION_SIZE_BUCKETS` (plus one unbounded
+            bucket), how many ``prepare_store`` calls allocated that many new keys; recorded
+            even when the call then fails (vLLM's ``kv_offload_cpu_allocation_size``).
+        allocation_count / allocation_sum: number of those calls / keys they asked for.
+        evictions: blocks evicted.
+        lookups / hits / pending_hits: ``lookup`` calls, ``HIT`` answers, ``HIT_PENDING`` answers.
     """
 
     usage: float = 0.0
     write_usage: float = 0.0
     read_usage: float = 0.0
-    allocation_sizes: list[int] = field(default_factory=list)
+    allocation_counts: list[int] = field(
+        default_factory=lambda: [0] * (len(ALLOCATION_SIZE_BUCKETS) + 1)
+    )
+    allocation_count: int = 0
+    allocation_sum: int = 0
     evictions: int = 0
     lookups: int = 0
     hits: int = 0
+    pending_hits: int = 0
 
 
 class CPUOffloadingManager:
@@ -48,10 +91,16 @@ class CPUOffloadingManager:
         eviction_policy: a registered policy name (``"lru"``, ``"arc"``, …) or
             ``"module.path:ClassName"``.
         enable_events: queue :class:`OffloadingEvent` s for :meth:`take_events`.
+        cache_policy_module_path: module to import an unregistered ``eviction_policy`` class
+            name from (vLLM's ``cache_policy_module_path``).
 
     Slots: fresh slots are handed out in increasing order first, then released ones from a LIFO
     free list (spec §2.2). ``prepare_store`` evicts atomically and protects every key of the call
-    (spec §2.3). Removal events always precede the store event that reuses the space.
+    (spec §2.3). Removal events always precede the store event that reuses the space. Not
+    implemented from vLLM: the reuse filter (``store_threshold``, spec §2.5).
+
+    Cost: O(1) per key plus the policy's eviction scan; about 130–190 B of Python memory per
+    tracked block (a recycled :class:`BlockStatus` per slot and the policy's ordered-dict entry).
 
     Raises:
         ConfigError: ``num_blocks`` negative or not an int; unknown ``eviction_policy``.
@@ -60,7 +109,11 @@ class CPUOffloadingManager:
     medium = Medium.CPU
 
     def __init__(
-        self, num_blocks: int, eviction_policy: str = "lru", enable_events: bool = False
+        self,
+        num_blocks: int,
+        eviction_policy: str = "lru",
+        enable_events: bool = False,
+        cache_policy_module_path: str | None = None,
     ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
             raise ConfigError(f"num_blocks must be an int, got {num_blocks!r}")
@@ -68,16 +121,26 @@ class CPUOffloadingManager:
             raise ConfigError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.eviction_policy = eviction_policy
-        self._policy: CachePolicy = resolve_cache_policy(eviction_policy)(
+        self._policy: CachePolicy = resolve_cache_policy(eviction_policy, cache_policy_module_path)(
             cache_capacity=num_blocks
         )
+        self._get = self._policy.get
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
-        self._free_list: list[int] = []
+        # Released slots as their BlockStatus objects (recycled on reuse), LIFO.
+        self._free_list: list[BlockStatus] = []
         self._high_water = 0
         self.num_evictable = 0
         self.num_write_pending = 0
-        self._stats = CPUTierStats()
         self.total_evictions = 0
+        self._reset_counters()
+
+    def _reset_counters(self) -> None:
+        self._alloc_counts = [0] * (len(ALLOCATION_SIZE_BUCKETS) + 1)
+        self._alloc_sum = 0
+        self._evictions = 0
+        self._lookups = 0
+        self._hits = 0
+        self._pending_hits = 0
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -91,55 +154,62 @@ class CPUOffloadingManager:
         return len(self._free_list) + self.num_blocks - self._high_water
 
     def get_block(self, key: bytes) -> BlockStatus | None:
-        """The :class:`BlockStatus` tracked under ``key`` (no recency change), or None."""
-        return self._policy.get(key)
+        """The live :class:`BlockStatus` tracked under ``key`` (no recency change), or None."""
+        return self._get(key)
 
     def lookup(self, key: bytes, ctx: ReqContext | None = None) -> LookupResult:
         """``HIT`` if present and ready, ``HIT_PENDING`` if a write is in flight, else ``MISS``.
 
         No recency change (spec §2.3).
         """
-        self._stats.lookups += 1
-        block = self._policy.get(key)
+        self._lookups += 1
+        block = self._get(key)
         if block is None:
-            return LookupResult.MISS
-        self._stats.hits += 1
-        return LookupResult.HIT if block.ref_cnt >= 0 else LookupResult.HIT_PENDING
+            return _MISS
+        if block.ref_cnt < 0:
+            self._pending_hits += 1
+            return _HIT_PENDING
+        self._hits += 1
+        return _HIT
 
     # -- loads -----------------------------------------------------------------------------
-    def prepare_load(self, keys: Collection[bytes], ctx: ReqContext | None = None) -> CPULoadStoreSpec:
-        """Pin every key (ref count +1) and return their slots in the given order.
+    def prepare_load(
+        self, keys: Collection[bytes], ctx: ReqContext | None = None
+    ) -> CPULoadStoreSpec:
+        """Pin every key (ref count +1) and return their slots, co-indexed with ``keys``.
+
+        Duplicates are allowed (each pins once more). Atomic: nothing is pinned on error.
 
         Raises:
             KeyError: a key is absent or not ready (the caller must have seen ``HIT`` this step).
         """
-        blocks = []
-        for key in keys:
-            block = self._policy.get(key)
+        get = self._get
+        blocks = [get(key) for key in keys]
+        for key, block in zip(keys, blocks):
             if block is None or block.ref_cnt < 0:
                 raise KeyError(f"prepare_load of a key that is not readable: {key!r}")
-            blocks.append(block)
-        slots = []
+        mark = self._policy.mark_non_evictable
         for key, block in zip(keys, blocks):
-            if block.ref_cnt == 0:
-                self._policy.mark_non_evictable(key)
+            if block.ref_cnt == 0:  # type: ignore[union-attr]
+                mark(key)
                 self.num_evictable -= 1
-            block.ref_cnt += 1
-            slots.append(block.block_id)
-        return CPULoadStoreSpec(slots)
+            block.ref_cnt += 1  # type: ignore[union-attr]
+        return _cpu_spec([block.block_id for block in blocks])  # type: ignore[union-attr]
 
     def touch(self, keys: Collection[bytes], ctx: ReqContext | None = None) -> None:
-        """Mark ``keys`` recently used; delegated to the policy (first key most recent)."""
+        """Mark ``keys`` recently used; delegated to the policy with ``ctx`` (first key most
+        recent)."""
         self._policy.touch(keys, ctx)
 
     def complete_load(self, keys: Collection[bytes], ctx: ReqContext | None = None) -> None:
         """Unpin every key (ref count −1); at 0 the block becomes evictable again.
 
         Raises:
-            KeyError: a key is absent or not pinned.
+            KeyError: a key is absent or not pinned (keys before it are already unpinned).
         """
+        get = self._get
         for key in keys:
-            block = self._policy.get(key)
+            block = get(key)
             if block is None or block.ref_cnt <= 0:
                 raise KeyError(f"complete_load of a key that is not pinned: {key!r}")
             block.ref_cnt -= 1
@@ -153,57 +223,89 @@ class CPUOffloadingManager:
     ) -> PrepareStoreOutput | None:
         """Allocate not-ready slots for the keys not yet tracked, evicting idle blocks if needed.
 
-        Returns None (and changes nothing but the allocation histogram) when fewer than the
-        needed number of unpinned, unprotected blocks can be evicted (spec §2.3 steps 1–7).
+        Keys already tracked (ready or not) are skipped; duplicates count once. The
+        allocation size is recorded in the histogram before anything can fail. Eviction
+        protects every key of the call and queues one removal event for the batch.
+
+        Returns:
+            ``PrepareStoreOutput(keys_to_store, CPULoadStoreSpec(slots), evicted_keys)`` —
+            empty lists when nothing is new — or None when fewer than the needed number of
+            idle, unprotected blocks can be evicted (then nothing changed but the histogram).
         """
-        policy = self._policy
-        keys = list(keys)
-        to_store = [k for k in dict.fromkeys(keys) if policy.get(k) is None]
-        if not to_store:
-            return PrepareStoreOutput([], CPULoadStoreSpec([]), [])
-        self._stats.allocation_sizes.append(len(to_store))
-        need = len(to_store) - self.num_free
-        victims: list[bytes] = []
+        get = self._get
+        to_store = []
+        for key in keys:
+            if get(key) is None:
+                to_store.append(key)
+        n = len(to_store)
+        if not n:
+            return PrepareStoreOutput(to_store, _cpu_spec(to_store), [])
+        if n > 1 and len(set(to_store)) != n:
+            to_store = list(dict.fromkeys(to_store))
+            n = len(to_store)
+        self._alloc_counts[_BUCKET_OF[n] if n < _SMALL else _bucket(n)] += 1
+        self._alloc_sum += n
+        need = n - len(self._free_list) - self.num_blocks + self._high_water
+        evicted_keys: list[bytes] = []
         if need > 0:
             if need > self.num_evictable:
                 return None
-            evicted = policy.evict(need, protected=set(keys))
-            if evicted is None:
+            victims = self._policy.evict(need, keys if isinstance(keys, set) else set(keys))
+            if victims is None:
                 return None
-            for key, block in evicted:
-                self._free_list.append(block.block_id)
-                victims.append(key)
+            if len(victims) != need:
+                raise RuntimeError(
+                    f"cache policy {type(self._policy).__name__} evicted {len(victims)} blocks "
+                    f"when asked for {need}"
+                )
+            free = self._free_list
+            for key, block in victims:
+                evicted_keys.append(key)
+                free.append(block)
             self.num_evictable -= need
-            self._stats.evictions += need
+            self._evictions += need
             self.total_evictions += need
             if self._events is not None:
-                self._events.append(OffloadingEvent(victims, Medium.CPU, removed=True))
-        slots = self._allocate(len(to_store))
-        for key, slot in zip(to_store, slots):
-            policy.insert(key, BlockStatus(slot))
-        self.num_write_pending += len(to_store)
-        return PrepareStoreOutput(to_store, CPULoadStoreSpec(slots), victims)
+                self._events.append(OffloadingEvent(evicted_keys.copy(), Medium.CPU, removed=True))
+        blocks = self._allocate(n)
+        insert = self._policy.insert
+        for key, block in zip(to_store, blocks):
+            insert(key, block)
+        self.num_write_pending += n
+        return PrepareStoreOutput(
+            to_store, _cpu_spec([block.block_id for block in blocks]), evicted_keys
+        )
 
-    def _allocate(self, n: int) -> list[int]:
-        fresh = min(n, self.num_blocks - self._high_water)
-        slots = list(range(self._high_water, self._high_water + fresh))
-        self._high_water += fresh
+    def _allocate(self, n: int) -> list[BlockStatus]:
+        """``n`` not-ready blocks: fresh slots in increasing order, then the free list's end."""
+        start = self._high_water
+        fresh = self.num_blocks - start
+        if fresh >= n:
+            self._high_water = start + n
+            return list(map(BlockStatus, range(start, start + n)))
+        blocks = list(map(BlockStatus, range(start, self.num_blocks)))
+        self._high_water = self.num_blocks
+        pop = self._free_list.pop
         for _ in range(n - fresh):
-            slots.append(self._free_list.pop())
-        return slots
+            block = pop()
+            block.ref_cnt = -1
+            blocks.append(block)
+        return blocks
 
     def complete_store(
         self, keys: Collection[bytes], ctx: ReqContext | None = None, success: bool = True
     ) -> None:
         """Finish the writes of ``prepare_store`` (spec §2.3).
 
-        ``success``: not-ready keys become readable (one store event). Failure: not-ready keys
-        are dropped and their slots freed. Absent or already-ready keys are ignored either way.
+        ``success``: not-ready keys become readable and evictable (one store event). Failure:
+        not-ready keys are dropped and their slots freed. Absent or already-ready keys are
+        ignored either way.
         """
+        get = self._get
         policy = self._policy
-        stored = []
+        stored: list[bytes] = []
         for key in keys:
-            block = policy.get(key)
+            block = get(key)
             if block is None or block.ref_cnt != -1:
                 continue
             self.num_write_pending -= 1
@@ -214,7 +316,7 @@ class CPUOffloadingManager:
                 stored.append(key)
             else:
                 policy.remove(key)
-                self._free_list.append(block.block_id)
+                self._free_list.append(block)
         if stored and self._events is not None:
             self._events.append(OffloadingEvent(stored, Medium.CPU, removed=False))
 
@@ -234,8 +336,17 @@ class CPUOffloadingManager:
         return iter(events)
 
     def get_stats(self) -> CPUTierStats:
-        """Gauges now, counters since the last call (spec §2.3 ``get_stats``)."""
-        stats, self._stats = self._stats, CPUTierStats()
+        """Gauges now and counters since the last call (spec §2.3 ``get_stats``); never None."""
+        stats = CPUTierStats(
+            allocation_counts=self._alloc_counts,
+            allocation_count=sum(self._alloc_counts),
+            allocation_sum=self._alloc_sum,
+            evictions=self._evictions,
+            lookups=self._lookups,
+            hits=self._hits,
+            pending_hits=self._pending_hits,
+        )
+        self._reset_counters()
         n = self.num_blocks
         if n:
             allocated = self._high_water - len(self._free_list)
@@ -245,7 +356,12 @@ class CPUOffloadingManager:
         return stats
 
     def reset_cache(self) -> None:
-        """Forget every block unconditionally (spec §2.3); the caller drains transfers first."""
+        """Forget every block and the policy's state, unconditionally (spec §2.3).
+
+        The caller guarantees that no completion of a job prepared before the reset is applied
+        afterwards. As in vLLM, queued events stay queued and no removal events are emitted for
+        the dropped blocks; ``total_evictions`` keeps counting.
+        """
         self._policy.clear()
         self._free_list.clear()
         self._high_water = 0

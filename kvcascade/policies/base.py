@@ -7,18 +7,23 @@ It is synchronous, does no I/O, and is driven only by :class:`kvcascade.CPUOfflo
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 
 from .._types import ReqContext
 
 
 class BlockStatus:
-    """State of one tracked primary-tier block (spec §2.1).
+    """State of one primary-tier slot while a key is tracked in it (spec §2.1).
 
     Attributes:
         ref_cnt: ``-1`` not ready (a write into the slot is in flight); ``0`` ready and idle
             (evictable); ``n > 0`` ready and pinned by ``n`` in-flight reads.
         block_id: the primary-tier slot (0 … num_blocks-1).
+
+    :class:`kvcascade.CPUOffloadingManager` keeps one object per slot and reuses it when the
+    slot is handed out again (saves an allocation per store); a caller must therefore not keep a
+    ``BlockStatus`` across calls that may evict or fail its key. Memory: 48 B plus the
+    ``block_id`` int.
     """
 
     __slots__ = ("block_id", "ref_cnt")
@@ -36,11 +41,18 @@ class BlockStatus:
         return f"BlockStatus(block_id={self.block_id}, ref_cnt={self.ref_cnt})"
 
 
+def as_sequence(keys: Collection[bytes]) -> Sequence[bytes]:
+    """``keys`` itself if it is a list or tuple (no copy), else a list of it (for ``reversed``)."""
+    return keys if isinstance(keys, list | tuple) else list(keys)
+
+
 class CachePolicy(ABC):
     """Eviction policy of the primary tier; same contract as vLLM's ``CachePolicy`` (spec §2.4).
 
     Implementations are constructed as ``cls(cache_capacity=num_blocks)``. Every method runs on
-    the caller's thread and must be cheap (O(1) or O(log n) per key).
+    the caller's thread and must be cheap (O(1) per key, eviction O(n + skipped)). The manager
+    guarantees: ``insert`` only of absent keys; ``mark_evictable`` exactly when a block's
+    ``ref_cnt`` becomes 0, ``mark_non_evictable`` exactly when it leaves 0.
     """
 
     def __init__(self, cache_capacity: int) -> None:
@@ -56,7 +68,11 @@ class CachePolicy(ABC):
 
     @abstractmethod
     def remove(self, key: bytes) -> None:
-        """Forget ``key`` (failed-store cleanup); no ghost entry is kept."""
+        """Forget ``key`` (failed-store cleanup); no ghost entry is kept.
+
+        Raises:
+            KeyError: ``key`` is not tracked.
+        """
 
     @abstractmethod
     def touch(self, keys: Collection[bytes], ctx: ReqContext | None = None) -> None:
@@ -68,8 +84,8 @@ class CachePolicy(ABC):
     ) -> list[tuple[bytes, BlockStatus]] | None:
         """Choose and forget exactly ``n`` evictable (``ref_cnt == 0``), unprotected blocks.
 
-        Atomic: returns None and changes nothing when fewer than ``n`` candidates exist.
-        ``evict(0, ...)`` returns ``[]``.
+        Atomic: returns None and changes nothing when the policy finds fewer than ``n``
+        candidates. ``evict(0, ...)`` returns ``[]``. Victims are returned in eviction order.
         """
 
     @abstractmethod

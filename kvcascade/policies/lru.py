@@ -1,79 +1,82 @@
-"""Least-recently-used eviction, exactly as vLLM's LRU policy (spec §2.4)."""
+"""Least-recently-used eviction with vLLM's LRU semantics (spec §2.4)."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Collection, Iterable
 
 from .._types import ReqContext
-from .base import BlockStatus, CachePolicy
+from .base import BlockStatus, CachePolicy, as_sequence
 
 
 class LRUCachePolicy(CachePolicy):
-    """LRU over the evictable (``ref_cnt == 0``) blocks.
+    """LRU over the evictable (``ref_cnt == 0``) blocks; same eviction order as vLLM's policy.
 
-    * ``mark_evictable`` appends to the most-recent end, so completing a store or the last load
-      counts as a use; ``mark_non_evictable`` takes the block out of the order.
+    * ``mark_evictable`` moves the block to the most-recent end, so completing a store or the
+      last load counts as a use.
     * ``touch(keys)`` walks ``keys`` in reverse and moves each evictable one to the most-recent
       end: after ``touch([a, b, c])`` the order ends ``…, c, b, a`` (prefix heads outlive tails).
-    * ``evict(n, protected)`` scans from the least-recent end, skipping protected keys.
+      Pinned and not-ready blocks do not move.
+    * ``evict(n, protected)`` scans from the least-recent end, skipping protected keys and blocks
+      whose ``ref_cnt != 0``.
 
-    Memory: one dict entry per tracked block plus one per evictable block.
+    Representation (differs from vLLM, same observable order): one ``OrderedDict`` holds every
+    tracked block in recency order. vLLM keeps a map plus a separate list of the evictable
+    blocks; since a block only becomes evictable through ``mark_evictable`` (a move to the
+    recent end) and ``touch`` only moves evictable blocks, the evictable blocks appear in the
+    same relative order in both. A pinned block keeps its place and is skipped by ``evict``, so an
+    eviction costs O(n + pinned blocks older than the victims). Memory: one ordered-dict entry
+    (about 100 B) per tracked block.
     """
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
-        self._blocks: dict[bytes, BlockStatus] = {}
-        # Insertion-ordered dict used as an ordered set: oldest first.
-        self._evictable: dict[bytes, None] = {}
+        self._blocks: OrderedDict[bytes, BlockStatus] = OrderedDict()
 
     def get(self, key: bytes) -> BlockStatus | None:
         return self._blocks.get(key)
 
     def insert(self, key: bytes, block: BlockStatus) -> None:
         self._blocks[key] = block
-        if block.ref_cnt == 0:
-            self._evictable[key] = None
 
     def remove(self, key: bytes) -> None:
         del self._blocks[key]
-        self._evictable.pop(key, None)
 
     def touch(self, keys: Collection[bytes], ctx: ReqContext | None = None) -> None:
-        evictable = self._evictable
-        for key in reversed(list(keys)):
-            if key in evictable:
-                del evictable[key]
-                evictable[key] = None
+        blocks = self._blocks
+        move = blocks.move_to_end
+        for key in reversed(as_sequence(keys)):
+            block = blocks.get(key)
+            if block is not None and block.ref_cnt == 0:
+                move(key)
 
     def evict(
         self, n: int, protected: Collection[bytes]
     ) -> list[tuple[bytes, BlockStatus]] | None:
-        if n == 0:
+        if n <= 0:
             return []
-        victims: list[bytes] = []
-        for key in self._evictable:
-            if key in protected:
-                continue
-            victims.append(key)
-            if len(victims) == n:
-                break
+        victims: list[tuple[bytes, BlockStatus]] = []
+        for item in self._blocks.items():
+            if item[1].ref_cnt == 0 and item[0] not in protected:
+                victims.append(item)
+                if len(victims) == n:
+                    break
         else:
             return None
-        out = []
-        for key in victims:
-            del self._evictable[key]
-            out.append((key, self._blocks.pop(key)))
-        return out
+        blocks = self._blocks
+        for key, _ in victims:
+            del blocks[key]
+        return victims
 
     def clear(self) -> None:
         self._blocks.clear()
-        self._evictable.clear()
 
     def mark_evictable(self, key: bytes) -> None:
-        self._evictable[key] = None
-
-    def mark_non_evictable(self, key: bytes) -> None:
-        self._evictable.pop(key, None)
+        self._blocks.move_to_end(key)
 
     def keys(self) -> Iterable[bytes]:
         return self._blocks.keys()
+
+    def evictable_keys(self) -> list[bytes]:
+        """The evictable keys, least recent first (the order ``evict`` takes them in)."""
+        return [key for key, block in self._blocks.items() if block.ref_cnt == 0]

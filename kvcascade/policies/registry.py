@@ -1,6 +1,9 @@
 """Name → cache-policy class registry (spec §2.4 factory, §9.4).
 
-Names resolve lazily to ``"module:Class"`` strings so that registering costs no import.
+Names resolve lazily to ``"module:Class"`` strings, so registering costs no import. Resolution
+order (as vLLM's factory): a registered name; else, with ``module_path`` (vLLM's
+``cache_policy_module_path``), the class called ``name`` in that module; else ``name`` itself in
+the form ``"module.path:ClassName"``.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from .base import CachePolicy
 
 _REGISTRY: dict[str, str | type[CachePolicy]] = {
     "lru": "kvcascade.policies.lru:LRUCachePolicy",
+    "arc": "kvcascade.policies.arc:ARCCachePolicy",
 }
 
 
@@ -19,7 +23,7 @@ def register_cache_policy(name: str, cls: str | type[CachePolicy]) -> None:
     """Register ``cls`` (a class or a ``"module.path:ClassName"`` string) under ``name``.
 
     Raises:
-        ValueError: ``name`` is already registered.
+        ValueError: ``name`` is already registered ("… is already registered").
     """
     if name in _REGISTRY:
         raise ValueError(f"cache policy {name!r} is already registered")
@@ -31,35 +35,47 @@ def registered_cache_policies() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def _import_class(path: str) -> type:
-    module_name, sep, class_name = path.partition(":")
-    if not sep or not module_name or not class_name:
-        raise ConfigError(f"eviction_policy {path!r} must be a registered name or 'module:Class'")
-    module = importlib.import_module(module_name)
+def _import_class(module_name: str, class_name: str, what: str) -> object:
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(
+            f"eviction_policy {what!r}: cannot import {module_name!r}: {exc}"
+        ) from exc
     try:
         return getattr(module, class_name)
     except AttributeError as exc:
-        raise ConfigError(f"module {module_name!r} has no class {class_name!r}") from exc
+        raise ConfigError(
+            f"eviction_policy {what!r}: module {module_name!r} has no class {class_name!r}"
+        ) from exc
 
 
-def resolve_cache_policy(name: str) -> type[CachePolicy]:
-    """The policy class for ``name``: a registered name or ``"module.path:ClassName"``.
+def resolve_cache_policy(name: str, module_path: str | None = None) -> type[CachePolicy]:
+    """The policy class for ``name`` (see the module docstring for the resolution order).
 
     Raises:
-        ConfigError (a ValueError): unknown name (the message lists the known ones), or the class
-            is not a :class:`CachePolicy` subclass.
+        ConfigError (a ValueError): ``"Unknown cache policy …"`` listing the registered names;
+            an import that fails; a class that is not a :class:`CachePolicy` subclass.
     """
     if not isinstance(name, str):
         raise ConfigError(f"eviction_policy must be a string, got {type(name).__name__}")
     entry = _REGISTRY.get(name)
-    if entry is None and ":" not in name:
+    if isinstance(entry, str):
+        module_name, _, class_name = entry.partition(":")
+        cls = _import_class(module_name, class_name, name)
+    elif entry is not None:
+        cls = entry
+    elif module_path:
+        cls = _import_class(module_path, name, name)
+    elif name.count(":") == 1 and all(name.partition(":")[::2]):
+        module_name, _, class_name = name.partition(":")
+        cls = _import_class(module_name, class_name, name)
+    else:
         raise ConfigError(
-            f"Unknown cache policy {name!r}; known: {', '.join(registered_cache_policies())} "
-            "(or give 'module.path:ClassName')"
+            f"Unknown cache policy {name!r}; registered: {', '.join(registered_cache_policies())}"
+            " (or set eviction_policy to 'module.path:ClassName', or set"
+            " cache_policy_module_path)"
         )
-    cls = _import_class(entry if isinstance(entry, str) else name) if not isinstance(
-        entry, type
-    ) else entry
     if not (isinstance(cls, type) and issubclass(cls, CachePolicy)):
         raise ConfigError(f"eviction_policy {name!r} resolves to {cls!r}, not a CachePolicy")
     return cls
