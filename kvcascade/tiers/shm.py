@@ -1,0 +1,624 @@
+"""The primary tier's memory as one shared file in ``/dev/shm`` (spec §2.7, §10 items 3–4).
+
+One engine's worker processes and its scheduler map the same file
+``<directory>/kvcascade_<instance_id>.mmap`` (``directory`` defaults to ``/dev/shm``). Row ``b``
+holds block ``b`` of every worker, interleaved::
+
+    row b = [ worker 0 slot | worker 1 slot | … | worker W-1 slot | padding to a page ]
+
+so secondary tiers read and write a whole block as one row, and each worker carves its tensors
+out of its own slot with :meth:`SharedOffloadRegion.create_next_worker_view`.
+
+Life cycle (see ``docs/cpu-tier.md``):
+
+1. **Stale cleanup** — every constructor first calls :func:`remove_stale_regions`: a region file
+   that no live process holds (each participant keeps a shared ``flock`` on it while mapped) and
+   whose recorded owner (pid + process start time) is gone is unlinked, after checking that the
+   path still names the same device and inode (an old generation never deletes a new one).
+2. **Create or attach** — exactly one process wins ``open(O_CREAT | O_EXCL, 0600)``; it checks
+   the free space of the file system (:class:`InsufficientSpaceError` names requested bytes,
+   available bytes and path, and leaves no file), sizes the file, and records itself in the
+   sidecar ``kvcascade_<instance_id>.owner``. The others open the file and wait (bounded,
+   :class:`TimeoutError`) until it has its size.
+3. **Map and prefault** — everyone maps the whole file shared. Pages are prefaulted with
+   ``MADV_POPULATE_WRITE`` (value 23) where the kernel has it, else by a read-modify-write of one
+   byte per page; a worker prefaults only its own slot of every row, the scheduler all of it.
+4. **Early unlink** — with ``expected_participants`` given, each participant counts itself in
+   the sidecar once mapped; the last one unlinks the file and the sidecar, so nothing can leak
+   even on ``kill -9`` (the memory goes with the last mapping).
+5. **Pinning** — on CUDA, workers register their mapping as pinned host memory in chunks of
+   whole rows (at most :data:`PIN_CHUNK_BYTES` each), checking every return code; any failure
+   unregisters what was registered and logs one warning (transfers still work, unpinned).
+   Without CUDA this is skipped, logged once per process.
+6. :meth:`SharedOffloadRegion.cleanup` (idempotent) unpins, drops views, unmaps, releases the
+   lock and closes the file; the creator unlinks the file and sidecar if they are still its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import glob
+import logging
+import mmap
+import os
+import struct
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .._errors import ConfigError, KVCascadeError
+from .cpu import PAGE_SIZE, round_up
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DIRECTORY = "/dev/shm"
+#: ``madvise`` advice that populates (prefaults) pages writable; Linux ≥ 5.14.
+MADV_POPULATE_WRITE = 23
+#: Largest single ``cudaHostRegister`` call (rounded down to whole rows, at least one row).
+PIN_CHUNK_BYTES = 1 << 30
+_POLL_S = 0.005
+# A region file without a matching owner record younger than this may be in creation.
+_CREATION_GRACE_S = 60.0
+_PREFIX = "kvcascade_"
+# Sidecar record: magic, owner pid, owner start time (clock ticks after boot), st_dev, st_ino of
+# the region file, number of participants that have mapped it.
+_OWNER = struct.Struct("<8sqQQQq")
+_MAGIC = b"KVCSHM01"
+_cuda_skip_logged = False
+
+
+class InsufficientSpaceError(KVCascadeError, RuntimeError):
+    """The file system of the region has less free space than the region needs."""
+
+
+@dataclass(frozen=True)
+class RegionGeometry:
+    """Sizes of a shared region derived from the configuration (spec §2.6).
+
+    Attributes:
+        cpu_page_size: bytes of one worker's slot in a row (worker bytes × blocks per chunk).
+        block_bytes: KV bytes of one block across all workers (``cpu_page_size × num_workers``).
+        row_stride: ``block_bytes`` rounded up to the page size (bytes between rows).
+        num_blocks: rows that fit in ``cpu_bytes_to_use`` (``cpu_bytes_to_use // row_stride``).
+    """
+
+    cpu_page_size: int
+    block_bytes: int
+    row_stride: int
+    num_blocks: int
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the region file in bytes."""
+        return self.num_blocks * self.row_stride
+
+
+def region_geometry(
+    cpu_bytes_to_use: int | None,
+    worker_bytes_per_block: int,
+    num_workers: int = 1,
+    blocks_per_chunk: int = 1,
+) -> RegionGeometry:
+    """Size the primary tier from the configuration, as vLLM's CPU spec (spec §2.6).
+
+    Args:
+        cpu_bytes_to_use: host-memory budget in bytes, total across all workers.
+        worker_bytes_per_block: KV bytes of one GPU block on one worker (all its layers).
+        num_workers: workers sharing a row (the world size of the engine).
+        blocks_per_chunk: GPU blocks per primary-tier block.
+
+    Returns:
+        The geometry; everything 0 when ``worker_bytes_per_block`` or ``num_workers`` is 0 (an
+        empty cache, still valid).
+
+    Raises:
+        ConfigError: ``cpu_bytes_to_use`` missing, zero or negative (the message says what to
+            set), or a size that is not a non-negative int.
+    """
+    if isinstance(cpu_bytes_to_use, bool) or not isinstance(cpu_bytes_to_use, int | None):
+        raise ConfigError(f"cpu_bytes_to_use must be an integer, got {cpu_bytes_to_use!r}")
+    if not cpu_bytes_to_use or cpu_bytes_to_use < 0:
+        raise ConfigError(
+            f"cpu_bytes_to_use must be specified as a positive number of bytes (got "
+            f"{cpu_bytes_to_use!r}): set cpu_bytes_to_use in the kvcascade config / vLLM "
+            "kv_connector_extra_config to the host memory for the CPU tier, summed over workers"
+        )
+    for name, value in (
+        ("worker_bytes_per_block", worker_bytes_per_block),
+        ("num_workers", num_workers),
+        ("blocks_per_chunk", blocks_per_chunk),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
+    if worker_bytes_per_block == 0 or num_workers == 0:
+        return RegionGeometry(0, 0, 0, 0)
+    cpu_page_size = worker_bytes_per_block * blocks_per_chunk
+    block_bytes = cpu_page_size * num_workers
+    row_stride = round_up(block_bytes, PAGE_SIZE)
+    return RegionGeometry(cpu_page_size, block_bytes, row_stride, cpu_bytes_to_use // row_stride)
+
+
+def region_path(instance_id: str, directory: str = DEFAULT_DIRECTORY) -> str:
+    """Path of the region file of ``instance_id``.
+
+    Raises:
+        ConfigError: ``instance_id`` is empty or contains a path separator or NUL.
+    """
+    if not instance_id or "/" in instance_id or "\0" in instance_id:
+        raise ConfigError(f"instance_id must be a non-empty file-name part, got {instance_id!r}")
+    return os.path.join(directory, f"{_PREFIX}{instance_id}.mmap")
+
+
+def _sidecar_path(path: str) -> str:
+    return path[: -len(".mmap")] + ".owner"
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of process ``pid`` in clock ticks after boot (``/proc/<pid>/stat`` field 22),
+    or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # Fields after the command name (which may contain spaces) start at field 3.
+    return int(data[data.rindex(b")") + 2 :].split()[19])
+
+
+def _owner_alive(pid: int, start_time: int) -> bool:
+    return pid > 0 and process_start_time(pid) == start_time
+
+
+def _read_owner(path: str) -> tuple[int, int, int, int, int] | None:
+    """(pid, start time, st_dev, st_ino, attached) from a sidecar, or None if absent/invalid."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_OWNER.size)
+    except OSError:
+        return None
+    if len(data) != _OWNER.size:
+        return None
+    magic, *fields = _OWNER.unpack(data)
+    return tuple(fields) if magic == _MAGIC else None  # type: ignore[return-value]
+
+
+def _same_file(path: str, st: os.stat_result) -> bool:
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+
+
+def remove_stale_regions(directory: str = DEFAULT_DIRECTORY) -> list[str]:
+    """Unlink region files (and their sidecars) left behind by crashed engines.
+
+    A region is stale when no live process holds its ``flock`` (every participant holds a shared
+    lock while it maps the file; the kernel drops it when the process dies, ``kill -9``
+    included) and its recorded owner is not alive. Before unlinking, the path must still name
+    the locked file (same ``st_dev``/``st_ino``), so a region created meanwhile by a new
+    generation is never removed. Sidecars whose region is gone and whose owner is dead are
+    removed too.
+
+    Returns:
+        The paths removed.
+    """
+    removed: list[str] = []
+    for path in glob.glob(os.path.join(glob.escape(directory), f"{_PREFIX}*.mmap")):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live participant maps it
+            st = os.fstat(fd)
+            owner = _read_owner(_sidecar_path(path))
+            recorded = owner is not None and (owner[2], owner[3]) == (st.st_dev, st.st_ino)
+            if recorded and _owner_alive(owner[0], owner[1]):  # type: ignore[index]
+                continue  # its creator is alive (and about to lock it)
+            if not recorded and time.time() - st.st_mtime < _CREATION_GRACE_S:
+                continue  # no owner record yet: possibly being created by a live process
+            if _same_file(path, st):
+                os.unlink(path)
+                removed.append(path)
+                if recorded:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(_sidecar_path(path))
+        finally:
+            os.close(fd)
+    for sidecar in glob.glob(os.path.join(glob.escape(directory), f"{_PREFIX}*.owner")):
+        owner = _read_owner(sidecar)
+        region = sidecar[: -len(".owner")] + ".mmap"
+        if owner is not None and not os.path.exists(region) and not _owner_alive(*owner[:2]):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(sidecar)
+                removed.append(sidecar)
+    if removed:
+        logger.warning("removed %d stale kvcascade region file(s): %s", len(removed), removed)
+    return removed
+
+
+def _log_cuda_skip_once() -> None:
+    global _cuda_skip_logged
+    if not _cuda_skip_logged:
+        _cuda_skip_logged = True
+        logger.info("CUDA not available: the shared offload region is not pinned")
+
+
+def _cuda_ok(err: object) -> bool:
+    return int(getattr(err, "value", err)) == 0  # type: ignore[call-overload]
+
+
+class SharedOffloadRegion:
+    """The primary tier's host memory, shared by one engine's workers and its scheduler.
+
+    Offers the :class:`~kvcascade.tiers.cpu.HostBuffer` interface (``num_blocks``,
+    ``block_bytes``, ``row_bytes``, ``memoryview``, ``row(i)``, ``tensor()``, ``close()``), so
+    the cascade can use either. The module docstring describes the life cycle.
+
+    Args:
+        instance_id: names the file ``kvcascade_<instance_id>.mmap``; the same for every
+            participant of one engine.
+        num_blocks: rows, ``> 0``.
+        cpu_page_size: bytes of one worker's slot in a row, ``> 0``.
+        num_workers: slots per row, ``>= 1``.
+        rank: this worker's slot, or None for the scheduler side (maps, prefaults everything,
+            never pins, has no worker views).
+        expected_participants: number of processes that will map the region (workers +
+            scheduler); once that many have mapped it, the file is unlinked. None: the file stays
+            until the creator's :meth:`cleanup` (or a later stale cleanup).
+        directory: where the file lives (tests use a private tmpfs directory).
+        wait_timeout_s: how long a non-creator waits for the creator to size the file.
+        pin: register the mapping as pinned CUDA host memory (default: when ``rank`` is set).
+
+    Attributes:
+        path: the file path. is_creator: this process created the file. row_stride / row_bytes:
+        bytes between rows (a multiple of the page size). block_bytes: KV bytes of one block
+        across all workers (``cpu_page_size × num_workers``). nbytes: file size.
+
+    Raises:
+        ConfigError: a bad size or rank, or an existing file of another size.
+        InsufficientSpaceError: the file system lacks the space (no file is left behind).
+        TimeoutError: the creator did not size the file within ``wait_timeout_s``.
+        OSError: mapping or ``madvise`` failed (other than ``EINVAL`` from the probe).
+    """
+
+    def __init__(
+        self,
+        instance_id: str,
+        num_blocks: int,
+        cpu_page_size: int,
+        num_workers: int = 1,
+        rank: int | None = None,
+        *,
+        expected_participants: int | None = None,
+        directory: str = DEFAULT_DIRECTORY,
+        wait_timeout_s: float = 30.0,
+        pin: bool | None = None,
+    ) -> None:
+        for name, value, low in (
+            ("num_blocks", num_blocks, 1),
+            ("cpu_page_size", cpu_page_size, 1),
+            ("num_workers", num_workers, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
+        if rank is not None and not 0 <= rank < num_workers:
+            raise ConfigError(f"rank must be in [0, {num_workers}) or None, got {rank!r}")
+        if expected_participants is not None and expected_participants < 1:
+            raise ConfigError(f"expected_participants must be >= 1, got {expected_participants}")
+        self.path = region_path(instance_id, directory)
+        self.num_blocks = num_blocks
+        self.cpu_page_size = cpu_page_size
+        self.num_workers = num_workers
+        self.rank = rank
+        self.block_bytes = cpu_page_size * num_workers
+        self.row_stride = round_up(self.block_bytes, PAGE_SIZE)
+        self.nbytes = num_blocks * self.row_stride
+        self.is_creator = False
+        self._cursor = 0
+        self._fd: int | None = None
+        self._st: os.stat_result | None = None
+        self._mmap: mmap.mmap | None = None
+        self._pinned: list[int] = []
+        self._closed = False
+        self._view = memoryview(b"")
+        self._tensor = torch.empty((0, self.row_stride), dtype=torch.int8)
+        remove_stale_regions(directory)
+        self._open(wait_timeout_s)
+        try:
+            assert self._fd is not None
+            self._mmap = mmap.mmap(self._fd, self.nbytes, mmap.MAP_SHARED)
+            self._view = memoryview(self._mmap)
+            self._tensor = torch.frombuffer(self._mmap, dtype=torch.int8).view(
+                num_blocks, self.row_stride
+            )
+            self._prefault()
+            self._count_participant(expected_participants)
+            if pin if pin is not None else rank is not None:
+                self._pin()
+        except BaseException:
+            self.cleanup()
+            raise
+
+    # -- creation ------------------------------------------------------------------------------
+    def _open(self, wait_timeout_s: float) -> None:
+        """Create or attach to the file; afterwards ``_fd`` is sized, locked shared, and the
+        path names it."""
+        deadline = time.monotonic() + wait_timeout_s
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                creator = True
+            except FileExistsError:
+                try:
+                    fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
+                except FileNotFoundError:
+                    continue  # unlinked between our two opens: race again
+                creator = False
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            st = os.fstat(fd)
+            if not _same_file(self.path, st):
+                os.close(fd)  # a stale cleanup removed it before we locked it
+                continue
+            self._fd, self._st, self.is_creator = fd, st, creator
+            try:
+                if creator:
+                    self._size_new_file()
+                else:
+                    self._wait_for_size(deadline)
+            except BaseException:
+                self._release_fd(unlink=creator)
+                raise
+            return
+
+    def _size_new_file(self) -> None:
+        assert self._fd is not None and self._st is not None
+        directory = os.path.dirname(self.path)
+        vfs = os.statvfs(directory)
+        available = vfs.f_bavail * vfs.f_frsize
+        if self.nbytes > available:
+            raise InsufficientSpaceError(
+                f"Insufficient space for the shared offload region {self.path}: requested "
+                f"{self.nbytes} bytes, available {available} bytes in {directory} (lower "
+                "cpu_bytes_to_use or enlarge the file system)"
+            )
+        os.ftruncate(self._fd, self.nbytes)
+        record = _OWNER.pack(
+            _MAGIC,
+            os.getpid(),
+            process_start_time(os.getpid()) or 0,
+            self._st.st_dev,
+            self._st.st_ino,
+            0,
+        )
+        sidecar = _sidecar_path(self.path)
+        tmp = f"{sidecar}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, record)
+        finally:
+            os.close(fd)
+        os.replace(tmp, sidecar)
+
+    def _wait_for_size(self, deadline: float) -> None:
+        assert self._fd is not None
+        while True:
+            size = os.fstat(self._fd).st_size
+            if size == self.nbytes:
+                return
+            if size:
+                raise ConfigError(
+                    f"{self.path} exists with {size} bytes, this participant expects "
+                    f"{self.nbytes} (num_blocks × row_stride): all participants must use one "
+                    "geometry per instance_id"
+                )
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{self.path} was not sized by its creator in time")
+            time.sleep(_POLL_S)
+
+    def _count_participant(self, expected: int | None) -> None:
+        """Count this mapping in the sidecar; the last expected participant unlinks the files."""
+        if expected is None:
+            return
+        assert self._st is not None
+        sidecar = _sidecar_path(self.path)
+        deadline = time.monotonic() + 30.0
+        while True:
+            try:
+                fd = os.open(sidecar, os.O_RDWR | os.O_NOFOLLOW)
+            except FileNotFoundError:
+                fd = None
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                magic, pid, start, dev, ino, attached = _OWNER.unpack(
+                    os.pread(fd, _OWNER.size, 0).ljust(_OWNER.size, b"\0")
+                )
+                if magic == _MAGIC and (dev, ino) == (self._st.st_dev, self._st.st_ino):
+                    break
+                os.close(fd)  # an older generation's record: the creator replaces it soon
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{sidecar} was not written by the creator of {self.path}")
+            time.sleep(_POLL_S)
+        try:
+            attached += 1
+            os.pwrite(fd, _OWNER.pack(magic, pid, start, dev, ino, attached), 0)
+            if attached >= expected:
+                if _same_file(self.path, self._st):
+                    os.unlink(self.path)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(sidecar)
+        finally:
+            os.close(fd)  # also drops the lock
+
+    def _prefault(self) -> None:
+        """Fault in the pages this participant uses (its slots, or everything)."""
+        assert self._mmap is not None
+        ranges = self._prefault_ranges()
+        try:
+            self._mmap.madvise(MADV_POPULATE_WRITE, 0, PAGE_SIZE)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self._touch_pages(ranges)
+            return
+        for start, length in ranges:
+            self._mmap.madvise(MADV_POPULATE_WRITE, start, length)
+
+    def _prefault_ranges(self) -> list[tuple[int, int]]:
+        """Page-aligned ``(start, length)`` ranges to prefault: the whole file for the scheduler
+        or a worker whose slots span whole rows, else this worker's slot of every row."""
+        if self.rank is None or self.num_workers == 1:
+            return [(0, self.nbytes)]
+        ranges = []
+        for row in range(self.num_blocks):
+            begin = row * self.row_stride + self.rank * self.cpu_page_size
+            start = begin - begin % PAGE_SIZE
+            end = min(round_up(begin + self.cpu_page_size, PAGE_SIZE), self.nbytes)
+            ranges.append((start, end - start))
+        return ranges
+
+    def _touch_pages(self, ranges: list[tuple[int, int]]) -> None:
+        """Fallback prefault: rewrite one byte per page with its own value (peers' bytes are
+        kept; run before any KV data is written)."""
+        pages = np.frombuffer(self._view, dtype=np.uint8)
+        for start, length in ranges:
+            idx = np.arange(start, start + length, PAGE_SIZE)
+            pages[idx] = pages[idx]
+        del pages
+
+    def _pin(self) -> None:
+        """Register the mapping as pinned CUDA host memory, row-aligned chunks, all or nothing."""
+        if not torch.cuda.is_available():
+            _log_cuda_skip_once()
+            return
+        cudart = torch.cuda.cudart()
+        base = self._tensor.data_ptr()
+        chunk = max(1, PIN_CHUNK_BYTES // self.row_stride) * self.row_stride
+        registered: list[int] = []
+        for offset in range(0, self.nbytes, chunk):
+            err = cudart.cudaHostRegister(base + offset, min(chunk, self.nbytes - offset), 0)
+            if not _cuda_ok(err):
+                failures = [p for p in registered if not _cuda_ok(cudart.cudaHostUnregister(p))]
+                logger.warning(
+                    "cudaHostRegister of %s failed at offset %d (error %s); the region stays "
+                    "unpinned%s",
+                    self.path,
+                    offset,
+                    err,
+                    f" and {len(failures)} chunk(s) could not be unregistered" if failures else "",
+                )
+                return
+            registered.append(base + offset)
+        self._pinned = registered
+
+    # -- views -----------------------------------------------------------------------------
+    @property
+    def row_bytes(self) -> int:
+        """Bytes between rows (``row_stride``), a multiple of the page size."""
+        return self.row_stride
+
+    @property
+    def memoryview(self) -> memoryview:
+        """The whole region as a flat writable ``memoryview`` of ``nbytes`` bytes (zero-copy)."""
+        return self._view
+
+    def create_kv_memoryview(self) -> memoryview:
+        """Zero-copy ``memoryview`` of shape ``(num_blocks, row_stride)``, format ``B``: block
+        ``b`` is row ``b`` (what secondary tiers address)."""
+        return self._view.cast("B", (self.num_blocks, self.row_stride))
+
+    def row(self, block_id: int) -> memoryview:
+        """Writable zero-copy view of the ``block_bytes`` KV bytes of row ``block_id``.
+
+        Raises:
+            IndexError: ``block_id`` outside ``[0, num_blocks)``.
+        """
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block_id {block_id} outside [0, {self.num_blocks})")
+        start = block_id * self.row_stride
+        return self._view[start : start + self.block_bytes]
+
+    def tensor(self) -> torch.Tensor:
+        """int8 tensor ``(num_blocks, block_bytes)``, strides ``(row_stride, 1)``, zero-copy."""
+        return self._tensor[:, : self.block_bytes]
+
+    def create_next_worker_view(self, tensor_page: int) -> torch.Tensor:
+        """Carve the next ``tensor_page`` bytes of this worker's slot out of every row.
+
+        Returns:
+            int8 tensor ``(num_blocks, tensor_page)``, strides ``(row_stride, 1)``, starting at
+            byte ``rank × cpu_page_size + cursor`` of row 0; the cursor then advances by
+            ``tensor_page`` (same contract as vLLM's ``create_next_worker_view``).
+
+        Raises:
+            ConfigError: ``tensor_page`` is not positive, the view would exceed the worker area
+                end (the cursor is left unchanged), or this is the scheduler's region.
+        """
+        if self.rank is None:
+            raise ConfigError("the scheduler's region (rank None) has no worker slot")
+        if isinstance(tensor_page, bool) or not isinstance(tensor_page, int) or tensor_page < 1:
+            raise ConfigError(f"tensor_page must be an int >= 1, got {tensor_page!r}")
+        end = self._cursor + tensor_page
+        if end > self.cpu_page_size:
+            raise ConfigError(
+                f"a view of {tensor_page} bytes at cursor {self._cursor} exceeds worker area end "
+                f"({self.cpu_page_size} bytes per slot)"
+            )
+        start = self.rank * self.cpu_page_size + self._cursor
+        self._cursor = end
+        return self._tensor[:, start : start + tensor_page]
+
+    # -- teardown --------------------------------------------------------------------------
+    def _release_fd(self, unlink: bool) -> None:
+        if self._fd is None:
+            return
+        if unlink and self._st is not None:
+            if _same_file(self.path, self._st):
+                os.unlink(self.path)
+            sidecar = _sidecar_path(self.path)
+            owner = _read_owner(sidecar)
+            if owner is not None and (owner[2], owner[3]) == (self._st.st_dev, self._st.st_ino):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(sidecar)
+        os.close(self._fd)  # also drops the flock
+        self._fd = None
+
+    def cleanup(self) -> None:
+        """Unpin, drop views, unmap, unlock and close; the creator also unlinks its files.
+
+        Idempotent. Views handed out earlier must be dropped by their holders before the
+        mapping can actually go (until then it stays mapped, never freed under them).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._pinned:
+            cudart = torch.cuda.cudart()
+            for ptr in self._pinned:
+                err = cudart.cudaHostUnregister(ptr)
+                if not _cuda_ok(err):
+                    logger.warning("cudaHostUnregister of %s failed (error %s)", self.path, err)
+            self._pinned = []
+        if self._mmap is not None:
+            self._tensor = torch.empty((0, self.row_stride), dtype=torch.int8)
+            self._view.release()
+            # BufferError: a caller still holds a view; the mapping goes when it is collected.
+            with contextlib.suppress(BufferError):
+                self._mmap.close()
+            self._mmap = None
+        self._release_fd(unlink=self.is_creator)
+
+    close = cleanup
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`cleanup`."""
+        return self._closed
