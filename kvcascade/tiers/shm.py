@@ -231,6 +231,7 @@ def remove_stale_regions(directory: str = DEFAULT_DIRECTORY) -> list[str]:
                 if recorded:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(_sidecar_path(path))
+                        removed.append(_sidecar_path(path))
         finally:
             os.close(fd)
     for sidecar in glob.glob(os.path.join(glob.escape(directory), f"{_PREFIX}*.owner")):
@@ -243,6 +244,11 @@ def remove_stale_regions(directory: str = DEFAULT_DIRECTORY) -> list[str]:
     if removed:
         logger.warning("removed %d stale kvcascade region file(s): %s", len(removed), removed)
     return removed
+
+
+def _populate_write(mm: mmap.mmap, start: int, length: int) -> None:
+    """``madvise(MADV_POPULATE_WRITE)`` over ``[start, start + length)`` (page-aligned start)."""
+    mm.madvise(MADV_POPULATE_WRITE, start, length)
 
 
 def _log_cuda_skip_once() -> None:
@@ -463,14 +469,14 @@ class SharedOffloadRegion:
         assert self._mmap is not None
         ranges = self._prefault_ranges()
         try:
-            self._mmap.madvise(MADV_POPULATE_WRITE, 0, PAGE_SIZE)
+            _populate_write(self._mmap, 0, PAGE_SIZE)  # probe: does the kernel know the advice?
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
             self._touch_pages(ranges)
             return
         for start, length in ranges:
-            self._mmap.madvise(MADV_POPULATE_WRITE, start, length)
+            _populate_write(self._mmap, start, length)
 
     def _prefault_ranges(self) -> list[tuple[int, int]]:
         """Page-aligned ``(start, length)`` ranges to prefault: the whole file for the scheduler
