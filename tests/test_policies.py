@@ -157,7 +157,7 @@ def test_arc_fails_only_without_enough_candidates() -> None:
 # --------------------------------------------------------------------------------------------
 
 CAPACITY = 4
-KEYS = st.lists(st.integers(0, 9).map(lambda i: b"m%d" % i), min_size=1, max_size=4)
+KEYS = st.lists(st.integers(0, 7).map(lambda i: b"m%d" % i), min_size=1, max_size=4)
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -284,7 +284,7 @@ class ARCManagerMachine(ManagerMachine):
     policy_name = "arc"
 
 
-_settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+_settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
 TestLRUManagerModel = ManagerMachine.TestCase
 TestLRUManagerModel.settings = _settings
 TestARCManagerModel = ARCManagerMachine.TestCase
