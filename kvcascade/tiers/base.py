@@ -3,27 +3,45 @@
 A secondary tier is an asyncio actor. The coordinator (on the scheduler side) talks to it through
 non-blocking synchronous calls — ``lookup``, ``submit_store``, ``submit_load``,
 ``get_finished_jobs`` — that only enqueue work in the actor's mailbox or read what it finished
-(vLLM's ``SecondaryTierManager`` contract, spec §3.2). The actor loop (:meth:`SecondaryTier.run`)
-runs inside the cascade's task group, takes jobs from its mailbox (loads before stores), runs the
-blocking part in a bounded thread pool, and resolves each job's future. Nobody polls: futures
-are awaited by asyncio callers; the synchronous façade collects finished results at its poll
-points.
+(vLLM's ``SecondaryTierManager`` contract, spec §3.2). The actor (:meth:`SecondaryTier.run`) owns
+the tier's lifetime inside the cascade's task group: it starts the tier's I/O threads, runs the
+tier's start-up work, then hands queued jobs to free threads and resolves each job's future.
+Nobody polls: futures are awaited by asyncio callers; the synchronous façade collects finished
+results at its poll points.
+
+Scheduling (same rule as vLLM's ``DualQueueThreadPool``, spec §4.4): the mailbox has a load queue
+(promotions and existence probes) and a store queue (cascades). Half of the ``io_threads`` slots
+(rounded up) take loads first, the others take stores first, each falling back to the other
+queue, so reads are preferred and neither queue starves; a single slot alternates.
+
+Deadlines and back-pressure: every job has a deadline ``io_timeout_s`` seconds after it was
+submitted, covering its time in the queue and on a thread. At the deadline its future is resolved
+with a failed :class:`JobResult` (queued: dropped from the queue; running: its thread is
+*abandoned*). A thread blocked in a system call cannot be killed, so an abandoned thread is
+replaced by a fresh one (at most ``io_threads`` replacements outstanding; beyond that the slot
+stays taken until the stuck call returns), counted in ``counters["stuck_threads"]``, and
+exits when its call finally returns, discarding the outcome. Movers can ask
+:meth:`SecondaryTier._job_abandoned` between blocks to stop early. At most ``max_queued_jobs``
+jobs wait in the mailbox: a store submitted beyond that is refused at once with a failed result
+(``counters["store_rejected"]``), never an exception, so the coordinator releases its pins.
+Loads are always admitted (each holds a reserved primary slot, which bounds them).
 
 Thread rules: the synchronous façade runs on the event-loop thread (a scheduler on another thread
 reaches it through the coordinator's portal); only :meth:`close` may be called from any thread.
+I/O threads are daemon threads, so a thread stuck forever never blocks interpreter exit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import logging
+import queue
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from .._errors import TierUnavailableError, TransferError
 from .._types import (
@@ -41,50 +59,101 @@ from .cpu import HostBuffer
 
 log = logging.getLogger(__name__)
 
+_QUEUED, _RUNNING, _DONE = 0, 1, 2
+
+
+class _Work:
+    """One unit handed to an I/O thread: a transfer job, a probe, or a start-up task."""
+
+    __slots__ = (
+        "abandoned", "args", "deadline", "finished", "fn", "fut", "is_load", "job", "replaced",
+        "slot", "started_at", "state",
+    )
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        fut: asyncio.Future[Any],
+        is_load: bool,
+        job: TransferJob | None = None,
+    ) -> None:
+        self.fn = fn
+        self.args = args
+        self.fut = fut
+        self.is_load = is_load
+        self.job = job
+        self.state = _QUEUED
+        self.slot = -1
+        self.deadline: asyncio.TimerHandle | None = None
+        self.started_at = 0.0
+        # Guarded by the tier's thread lock: the thread finished the call / the loop gave up.
+        self.finished = False
+        self.abandoned = False
+        self.replaced = False
+
 
 class SecondaryTier(ABC):
     """Base class of secondary tiers (fs, s3, memory).
 
     Subclasses implement the blocking data movers :meth:`_store_blocks`, :meth:`_load_blocks`
-    and :meth:`_probe` (run on the tier's thread pool) and may override the hooks.
+    and :meth:`_probe` (run on the tier's I/O threads) and may override the hooks
+    (:meth:`_startup`, :meth:`touch`, ...).
 
     Args:
         name: the tier's name in metrics, events and replay output (e.g. ``"fs"``).
         host: the primary tier's buffer; jobs address its rows by slot id.
-        io_threads: size of the thread pool for blocking I/O (``>= 1``).
-        io_timeout_s: deadline of one job in seconds; a job past it fails (its pins are then
-            released by the coordinator) instead of hanging.
+        io_threads: number of I/O threads (``>= 1``).
+        io_timeout_s: deadline of one job in seconds from submission (``> 0``); a job past it
+            fails (its pins are then released by the coordinator) instead of hanging.
+        max_queued_jobs: jobs allowed to wait for a thread (``>= 1``); further stores are refused.
+
+    Raises:
+        ValueError: a bound is out of range.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
 
     def __init__(
-        self, name: str, host: HostBuffer, io_threads: int = 4, io_timeout_s: float = 30.0
+        self,
+        name: str,
+        host: HostBuffer,
+        io_threads: int = 4,
+        io_timeout_s: float = 30.0,
+        max_queued_jobs: int = 1024,
     ) -> None:
+        if io_threads < 1 or max_queued_jobs < 1 or not io_timeout_s > 0:
+            raise ValueError(
+                f"tier {name!r}: need io_threads >= 1, io_timeout_s > 0, max_queued_jobs >= 1; "
+                f"got {io_threads}, {io_timeout_s}, {max_queued_jobs}"
+            )
         self.name = name
         self.host = host
         self.io_threads = io_threads
         self.io_timeout_s = io_timeout_s
+        self.max_queued_jobs = max_queued_jobs
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
-        self._loads: collections.deque[tuple[TransferJob, asyncio.Future[JobResult]]] = (
-            collections.deque()
-        )
-        self._stores: collections.deque[tuple[TransferJob, asyncio.Future[JobResult]]] = (
-            collections.deque()
-        )
+        self._loads: collections.deque[_Work] = collections.deque()
+        self._stores: collections.deque[_Work] = collections.deque()
+        self._queued_jobs = 0
+        self._free_slots = list(range(io_threads))
+        self._single_slot_prefers_load = True
+        self._running: set[_Work] = set()
         self._finished: collections.deque[JobResult] = collections.deque()
         self._events: collections.deque[OffloadingEvent] = collections.deque()
         self._wake: asyncio.Event | None = None
         self._pending: set[asyncio.Future[JobResult]] = set()
         self._closed = False
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=io_threads, thread_name_prefix=f"kvcascade-{name}"
-        )
+        self._inbox: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
+        self._threads: set[threading.Thread] = set()
+        self._thread_lock = threading.Lock()
+        self._replacements = 0
+        self._current = threading.local()
         self._lookup = AsyncLookup(self)
         self.counters: collections.Counter[str] = collections.Counter()
 
-    # -- data movers (blocking; run on the thread pool) --------------------------------------
+    # -- data movers (blocking; run on the I/O threads) ------------------------------------
     @abstractmethod
     def _store_blocks(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
         """Persist ``rows[i]`` under ``keys[i]``; return bytes written.
@@ -104,75 +173,238 @@ class SecondaryTier(ABC):
     def _probe(self, keys: Sequence[bytes]) -> list[bool]:
         """Existence of each key (blocking)."""
 
+    def _rows(self, block_ids: Iterable[int]) -> list[memoryview]:
+        """The primary rows a job moves (default: the ``block_bytes`` KV bytes of each slot).
+
+        Raises:
+            IndexError: a slot id outside the primary tier (the job then fails at once).
+        """
+        return [self.host.row(int(b)) for b in block_ids]
+
+    def _stored_event_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Keys of a successful store job to announce as stored (default: all of them).
+
+        A tier that evicts overrides this to leave out keys already removed again, so that
+        stored/removed events replayed in order give the tier's real content.
+        """
+        return list(keys)
+
+    async def _startup(self) -> None:  # noqa: B027 - optional hook
+        """Start-up work run by :meth:`run` before it reports readiness (default: none)."""
+
+    def _job_abandoned(self) -> bool:
+        """On an I/O thread: True once the running job passed its deadline (stop early)."""
+        work: _Work | None = getattr(self._current, "work", None)
+        return work is not None and work.abandoned
+
     # -- actor ---------------------------------------------------------------------------
     async def run(self, started: Callable[[], None] | None = None) -> None:
-        """The actor loop; runs until :meth:`close`. Loads are taken before stores."""
+        """The actor: start threads, run :meth:`_startup`, dispatch jobs until :meth:`close`.
+
+        On exit queued jobs fail, running ones finish or reach their deadline, and the idle
+        threads are joined (abandoned ones are left to exit on their own).
+        """
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._wake = asyncio.Event()
-        slots = asyncio.Semaphore(self.io_threads)
-        running: set[asyncio.Task[None]] = set()
-        if started is not None:
-            started()
+        for _ in range(self.io_threads):
+            self._spawn_thread()
         try:
-            while True:
-                if not self._loads and not self._stores:
-                    if self._closed:
-                        break
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                await slots.acquire()
-                job, fut = self._loads.popleft() if self._loads else self._stores.popleft()
-                task = asyncio.create_task(self._execute(job, fut, slots))
-                running.add(task)
-                task.add_done_callback(running.discard)
+            await self._startup()
+            if started is not None:
+                started()
+            while not self._closed:
+                self._wake.clear()
+                await self._wake.wait()
         finally:
-            for job, fut in [*self._loads, *self._stores]:
-                self._complete(job, fut, JobResult(job.job_id, False, error="tier closed"))
+            self._closed = True
+            for work in [*self._loads, *self._stores]:
+                if work.state == _QUEUED:
+                    self._fail(work, "tier closed")
             self._loads.clear()
             self._stores.clear()
+            running = [w.fut for w in self._running]
             if running:
-                await asyncio.gather(*running, return_exceptions=True)
-            self._executor.shutdown(wait=True, cancel_futures=True)
+                await asyncio.wait(running)
+            await asyncio.to_thread(self._stop_threads)
 
-    async def _execute(
-        self, job: TransferJob, fut: asyncio.Future[JobResult], slots: asyncio.Semaphore
-    ) -> None:
-        loop = asyncio.get_running_loop()
-        rows = [self.host.row(int(b)) for b in job.block_ids]
-        mover = self._load_blocks if job.is_promotion else self._store_blocks
-        start = time.perf_counter()
+    def _spawn_thread(self) -> None:
+        thread = threading.Thread(
+            target=self._thread_main, name=f"kvcascade-{self.name}-io", daemon=True
+        )
+        self._threads.add(thread)
+        thread.start()
+
+    def _stop_threads(self) -> None:
+        with self._thread_lock:
+            threads = list(self._threads)
+        for _ in threads:
+            self._inbox.put(None)
+        until = time.monotonic() + 1.0
+        for thread in threads:  # a thread stuck in a system call is left behind (daemon)
+            thread.join(timeout=max(0.0, until - time.monotonic()))
+
+    def _thread_main(self) -> None:
+        me = threading.current_thread()
+        while True:
+            work = self._inbox.get()
+            if work is None:
+                break
+            self._current.work = work
+            outcome: Any = None
+            error: BaseException | None = None
+            try:
+                outcome = work.fn(*work.args)
+            except BaseException as exc:  # delivered to the loop, which classifies it
+                error = exc
+            self._current.work = None
+            with self._thread_lock:
+                work.finished = True
+                abandoned, replaced = work.abandoned, work.replaced
+                if abandoned and replaced:
+                    self._replacements -= 1
+                    self._threads.discard(me)
+            if abandoned:
+                log.warning("tier %s: a job abandoned at its deadline returned late", self.name)
+                self._post(self._thread_returned, work)
+                if replaced:
+                    return
+                continue
+            self._post(self._work_done, work, outcome, error)
+
+    def _post(self, callback: Callable[..., None], *args: Any) -> None:
+        loop = self._loop
         try:
-            nbytes = await asyncio.wait_for(
-                loop.run_in_executor(self._executor, mover, job.keys, rows), self.io_timeout_s
+            if loop is not None:
+                loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop closed while this thread was stuck
+            pass
+
+    def _dispatch(self) -> None:
+        """Hand queued work to free slots (loads-first and stores-first slots, spec §4.4)."""
+        while self._free_slots and (self._loads or self._stores):
+            slot = self._free_slots.pop()
+            if self.io_threads == 1:
+                prefer_load = self._single_slot_prefers_load
+                self._single_slot_prefers_load = not prefer_load
+            else:
+                prefer_load = slot % 2 == 0
+            first, second = (
+                (self._loads, self._stores) if prefer_load else (self._stores, self._loads)
             )
-            result = JobResult(
-                job.job_id, True, transfer_size=nbytes, transfer_time=time.perf_counter() - start
-            )
-        except TransferError as exc:
+            work = self._pop_live(first) or self._pop_live(second)
+            if work is None:
+                self._free_slots.append(slot)
+                return
+            work.state = _RUNNING
+            work.slot = slot
+            work.started_at = time.perf_counter()
+            self._running.add(work)
+            self._inbox.put(work)
+
+    def _pop_live(self, q: collections.deque[_Work]) -> _Work | None:
+        while q:
+            work = q.popleft()
+            if work.state == _QUEUED:
+                if work.job is not None:
+                    self._queued_jobs -= 1
+                return work
+        return None
+
+    def _enqueue(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], is_load: bool,
+        job: TransferJob | None = None, deadline: bool = True,
+    ) -> _Work:
+        assert self._loop is not None and self._wake is not None
+        work = _Work(fn, args, self._loop.create_future(), is_load, job)
+        if deadline:
+            work.deadline = self._loop.call_later(self.io_timeout_s, self._expire, work)
+        (self._loads if is_load else self._stores).append(work)
+        if job is not None:
+            self._queued_jobs += 1
+        self._dispatch()
+        return work
+
+    def _expire(self, work: _Work) -> None:
+        """Deadline timer (loop thread): fail the work; abandon its thread if it is running."""
+        if work.state == _DONE:
+            return
+        self.counters["timeouts"] += 1
+        if work.state == _RUNNING:
+            with self._thread_lock:
+                if work.finished:
+                    return  # its result is already on the way to the loop
+                work.abandoned = True
+                work.replaced = self._replacements < self.io_threads
+                if work.replaced:
+                    self._replacements += 1
+            self.counters["stuck_threads"] += 1
+            self._running.discard(work)
+            if work.replaced:
+                self._spawn_thread()
+                self._release_slot(work.slot)
+        elif work.job is not None:
+            self._queued_jobs -= 1
+        self._fail(work, f"deadline of {self.io_timeout_s:g} s passed")
+
+    def _thread_returned(self, work: _Work) -> None:
+        """An abandoned thread's call returned (loop thread)."""
+        self.counters["stuck_threads"] -= 1
+        if not work.replaced:
+            self._release_slot(work.slot)
+
+    def _release_slot(self, slot: int) -> None:
+        self._free_slots.append(slot)
+        self._dispatch()
+
+    def _work_done(self, work: _Work, outcome: Any, error: BaseException | None) -> None:
+        """A thread finished ``work`` in time (loop thread)."""
+        self._running.discard(work)
+        self._release_slot(work.slot)
+        if work.deadline is not None:
+            work.deadline.cancel()
+        work.state = _DONE
+        job = work.job
+        if job is None:
+            if error is not None:
+                work.fut.set_exception(error)
+            else:
+                work.fut.set_result(outcome)
+            return
+        elapsed = time.perf_counter() - work.started_at
+        if error is None:
+            result = JobResult(job.job_id, True, transfer_size=outcome, transfer_time=elapsed)
+        elif isinstance(error, TransferError):
             self.counters["load_failures" if job.is_promotion else "store_failures"] += 1
-            ok = exc.succeeded or None
             result = JobResult(
-                job.job_id, False, successful_keys=ok, error=str(exc),
-                transfer_size=len(exc.succeeded) * self.host.block_bytes,
-                transfer_time=time.perf_counter() - start,
+                job.job_id, False, successful_keys=error.succeeded or None, error=str(error),
+                transfer_size=len(error.succeeded) * self.host.block_bytes, transfer_time=elapsed,
             )
-        except (asyncio.TimeoutError, OSError, TierUnavailableError) as exc:
-            self.counters["timeouts" if isinstance(exc, asyncio.TimeoutError) else "errors"] += 1
-            result = JobResult(job.job_id, False, error=f"{type(exc).__name__}: {exc}")
-        finally:
-            slots.release()
+        else:
+            self.counters["errors"] += 1
+            log.warning("tier %s: job %d failed: %r", self.name, job.job_id, error)
+            result = JobResult(job.job_id, False, error=f"{type(error).__name__}: {error}")
+        self._finish_job(job, work.fut, result)
+
+    def _fail(self, work: _Work, reason: str) -> None:
+        work.state = _DONE
+        if work.deadline is not None:
+            work.deadline.cancel()
+        if work.job is not None:
+            self._finish_job(work.job, work.fut, JobResult(work.job.job_id, False, error=reason))
+        elif not work.fut.done():
+            work.fut.set_exception(TimeoutError(f"tier {self.name!r}: {reason}"))
+
+    def _finish_job(
+        self, job: TransferJob, fut: asyncio.Future[JobResult], result: JobResult
+    ) -> None:
         if job.is_promotion and not result.success:
             done = set(result.successful_keys or ())
             self._lookup.mark_miss([k for k in job.keys if k not in done])
         if not job.is_promotion and result.success:
-            self._events.append(OffloadingEvent(list(job.keys), self.medium, False, self.name))
-        self._complete(job, fut, result)
-
-    def _complete(
-        self, job: TransferJob, fut: asyncio.Future[JobResult], result: JobResult
-    ) -> None:
+            stored = self._stored_event_keys(job.keys)
+            if stored:
+                self._events.append(OffloadingEvent(stored, self.medium, False, self.name))
         kind = "load" if job.is_promotion else "store"
         self.counters[f"{kind}_jobs"] += 1
         self.counters[f"{kind}_bytes"] += result.transfer_size
@@ -180,28 +412,66 @@ class SecondaryTier(ABC):
         if not fut.done():
             fut.set_result(result)
 
-    def _submit(self, job: TransferJob) -> asyncio.Future[JobResult]:
+    async def _call_blocking(
+        self, fn: Callable[..., Any], *args: Any, deadline: bool = True
+    ) -> Any:
+        """Run ``fn(*args)`` on an I/O thread (load priority); its exception propagates.
+
+        Raises:
+            TierUnavailableError: the tier is not running.
+            TimeoutError: ``deadline`` and the call did not return within ``io_timeout_s``.
+        """
+        self._check_running()
+        return await self._enqueue(fn, args, is_load=True, deadline=deadline).fut
+
+    def _check_running(self) -> None:
         if self._loop is None or self._wake is None or self._closed:
             raise TierUnavailableError(f"tier {self.name!r} is not running")
         if threading.get_ident() != self._loop_thread:
             raise RuntimeError(f"tier {self.name!r}: submit from outside the event-loop thread")
-        fut: asyncio.Future[JobResult] = self._loop.create_future()
-        self._pending.add(fut)
-        fut.add_done_callback(self._pending.discard)
-        (self._loads if job.is_promotion else self._stores).append((job, fut))
-        self._wake.set()
-        return fut
+
+    def _submit(self, job: TransferJob) -> asyncio.Future[JobResult]:
+        self._check_running()
+        assert self._loop is not None
+        fut: asyncio.Future[JobResult]
+        if not job.is_promotion and self._queued_jobs >= self.max_queued_jobs:
+            self.counters["store_rejected"] += 1
+            fut = self._loop.create_future()
+            self._finish_job(job, fut, JobResult(
+                job.job_id, False, error=f"queue full ({self.max_queued_jobs} jobs waiting)"
+            ))
+            return fut
+        try:
+            rows = self._rows(job.block_ids)
+        except IndexError as exc:
+            self.counters["errors"] += 1
+            fut = self._loop.create_future()
+            self._finish_job(job, fut, JobResult(job.job_id, False, error=str(exc)))
+            return fut
+        mover = self._load_blocks if job.is_promotion else self._store_blocks
+        work = self._enqueue(mover, (job.keys, rows), job.is_promotion, job)
+        self._pending.add(work.fut)
+        work.fut.add_done_callback(self._pending.discard)
+        return work.fut
 
     # -- synchronous façade (spec §3.2) ----------------------------------------------------
     def submit_store(self, job: TransferJob) -> asyncio.Future[JobResult]:
         """Enqueue a cascade (primary rows ``job.block_ids`` → this tier); returns its future.
 
-        The rows stay pinned by the coordinator until the job's result is collected.
+        The rows stay pinned by the coordinator until the job's result is collected. A full
+        queue answers at once with a failed result.
+
+        Raises:
+            TierUnavailableError: the tier is not running.
         """
         return self._submit(job)
 
     def submit_load(self, job: TransferJob) -> asyncio.Future[JobResult]:
-        """Enqueue a promotion (this tier → reserved primary rows); returns its future."""
+        """Enqueue a promotion (this tier → reserved primary rows); returns its future.
+
+        Raises:
+            TierUnavailableError: the tier is not running.
+        """
         return self._submit(job)
 
     def get_finished_jobs(self) -> list[JobResult]:
@@ -220,15 +490,15 @@ class SecondaryTier(ABC):
         return self._lookup.lookup(key, ctx)
 
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """Probe the existence of ``keys`` now (for asyncio callers); runs on the thread pool."""
+        """Probe the existence of ``keys`` now (for asyncio callers); runs on an I/O thread.
+
+        A probe that fails or passes its deadline answers MISS for every key.
+        """
         if not keys:
             return []
-        loop = asyncio.get_running_loop()
         try:
-            return await asyncio.wait_for(
-                loop.run_in_executor(self._executor, self._probe, list(keys)), self.io_timeout_s
-            )
-        except (asyncio.TimeoutError, OSError, TierUnavailableError) as exc:
+            return await self._call_blocking(self._probe, list(keys))
+        except (TimeoutError, OSError, TierUnavailableError) as exc:
             log.warning("tier %s: probe failed (%s); answering MISS", self.name, exc)
             return [False] * len(keys)
 
@@ -259,7 +529,10 @@ class SecondaryTier(ABC):
         return bool(self._pending)
 
     async def drain(self) -> None:
-        """Wait until every submitted job completed or failed (never aborts a copy mid-way)."""
+        """Wait until every submitted job completed or failed (never aborts a copy mid-way).
+
+        Bounded by the jobs' deadlines.
+        """
         while self._pending:
             await asyncio.wait(list(self._pending))
 
