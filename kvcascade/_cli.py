@@ -47,9 +47,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     rp.add_argument("trace", nargs="?", help="JSONL trace (default: bundled Mooncake trace)")
     rp.add_argument("--requests", type=_positive_int, help="replay only the first N requests")
-    rp.add_argument("--gpu-blocks", type=_positive_int, help=f"GPU prefix-cache blocks (default {DEFAULT_GPU_BLOCKS})")
-    rp.add_argument("--cpu-blocks", type=_nonneg_int, help=f"CPU primary-tier blocks (default {DEFAULT_CPU_BLOCKS})")
-    rp.add_argument("--block-bytes", type=_positive_int, help=f"KV bytes per block (default {DEFAULT_BLOCK_BYTES})")
+    rp.add_argument(
+        "--gpu-blocks",
+        type=_positive_int,
+        help=f"GPU prefix-cache blocks (default {DEFAULT_GPU_BLOCKS})",
+    )
+    rp.add_argument(
+        "--cpu-blocks",
+        type=_nonneg_int,
+        help=f"CPU primary-tier blocks (default {DEFAULT_CPU_BLOCKS})",
+    )
+    rp.add_argument(
+        "--block-bytes",
+        type=_positive_int,
+        help=f"KV bytes per block (default {DEFAULT_BLOCK_BYTES})",
+    )
     rp.add_argument("--fs-dir", help="fs tier directory (default: a temporary directory)")
     rp.add_argument("--no-fs", action="store_true", help="no fs tier (GPU and CPU only)")
     rp.add_argument("--eviction-policy", help="CPU tier eviction policy (lru, …)")
@@ -144,7 +156,10 @@ def _replay(args: argparse.Namespace) -> int:
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report.to_json(), indent=2) + "\n")
     if report.mismatched_blocks:
-        print(f"kvcascade: error: {report.mismatched_blocks} loaded blocks did not match", file=sys.stderr)
+        print(
+            f"kvcascade: error: {report.mismatched_blocks} loaded blocks did not match",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -11,13 +11,22 @@ from .tiers.cpu import PAGE_SIZE, round_up
 
 # vLLM OffloadingConnector keys accepted for compatibility (spec §1.9) and kvcascade's own keys.
 _VLLM_KEYS = {
-    "spec_name", "spec_module_path", "cpu_bytes_to_use", "block_size", "blocks_per_chunk",
-    "eviction_policy", "cache_policy_module_path", "store_threshold", "max_tracker_size",
-    "offload_prompt_only", "self_describing_kv_events", "canonical_layout", "secondary_tiers",
+    "spec_name",
+    "spec_module_path",
+    "cpu_bytes_to_use",
+    "block_size",
+    "blocks_per_chunk",
+    "eviction_policy",
+    "cache_policy_module_path",
+    "store_threshold",
+    "max_tracker_size",
+    "offload_prompt_only",
+    "self_describing_kv_events",
+    "canonical_layout",
+    "secondary_tiers",
 }
 _OWN_KEYS = {"cpu_blocks", "gpu_blocks", "block_bytes", "model_name", "cache_salt", "enable_events"}
 KNOWN_KEYS = frozenset(_VLLM_KEYS | _OWN_KEYS)
-SECONDARY_TIER_TYPES = ("fs", "memory", "example")
 
 
 def _positive_int(name: str, value: Any, *, allow_zero: bool = False) -> int:
@@ -39,8 +48,9 @@ class CascadeConfig:
             (``cpu_bytes_to_use // round_up(block_bytes, PAGE_SIZE)``, spec §2.6).
         cpu_bytes_to_use: primary-tier budget in bytes (vLLM's key).
         eviction_policy: primary-tier policy name or ``"module:Class"``.
-        secondary_tiers: list of tier dicts, each with ``type`` (``fs``, ``memory``/``example``)
-            and that tier's keys, in cascade order.
+        secondary_tiers: list of tier dicts, each with ``type`` (``fs``, ``memory``/``example``,
+            a registered type, or a class name with ``module_path``) and that tier's keys, in
+            cascade order; ``name`` (default: the type) must be unique.
         model_name, cache_salt: namespace identity of persistent tiers.
         enable_events: queue KV events for ``take_events``.
     """
@@ -69,13 +79,15 @@ class CascadeConfig:
             )
         if not isinstance(self.secondary_tiers, list):
             raise ConfigError(f"secondary_tiers must be a list, got {self.secondary_tiers!r}")
+        from .tiers.registry import resolve_tier_factory
+
+        names = set()
         for tier in self.secondary_tiers:
-            if not isinstance(tier, dict) or not tier.get("type"):
-                raise ConfigError(f"each secondary tier must be a dict that includes 'type': {tier!r}")
-            if tier["type"] not in SECONDARY_TIER_TYPES:
-                raise ConfigError(
-                    f"Unknown secondary tier type {tier['type']!r}; known: {', '.join(SECONDARY_TIER_TYPES)}"
-                )
+            resolve_tier_factory(tier)
+            name = tier.get("name", tier["type"])
+            if name in names or name in ("gpu", "cpu"):
+                raise ConfigError(f"secondary tier name {name!r} is used twice or reserved")
+            names.add(name)
 
     @property
     def num_cpu_blocks(self) -> int:

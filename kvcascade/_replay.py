@@ -154,7 +154,11 @@ async def replay(
             f"use --gpu-blocks {longest} or more"
         )
     report = ReplayReport(config=_describe(config))
-    report.hit_blocks = {"gpu": 0, "cpu": 0, **{t.get("name", t["type"]): 0 for t in config.secondary_tiers}}
+    report.hit_blocks = {
+        "gpu": 0,
+        "cpu": 0,
+        **{t.get("name", t["type"]): 0 for t in config.secondary_tiers},
+    }
     gpu = GPUPrefixCache(config.gpu_blocks)
     start = time.perf_counter()
     async with open_cascade(config) as cascade:
@@ -167,7 +171,9 @@ async def replay(
     return report
 
 
-async def _step(cascade: Cascade, gpu: GPUPrefixCache, request: TraceRequest, report: ReplayReport) -> None:
+async def _step(
+    cascade: Cascade, gpu: GPUPrefixCache, request: TraceRequest, report: ReplayReport
+) -> None:
     ids = request.hash_ids
     keys = [block_key(h) for h in ids]
     ctx = ReqContext(f"req-{request.index}")
@@ -192,7 +198,9 @@ async def _step(cascade: Cascade, gpu: GPUPrefixCache, request: TraceRequest, re
     if new_ids:
         kv = cascade.device.kv
         rows = torch.from_numpy(expected_bytes(new_ids, kv.shape[1]).view(np.int8))
-        kv.index_copy_(0, torch.as_tensor(new_gpu, dtype=torch.int64, device=kv.device), rows.to(kv.device))
+        kv.index_copy_(
+            0, torch.as_tensor(new_gpu, dtype=torch.int64, device=kv.device), rows.to(kv.device)
+        )
         # Like an engine storing chunk by chunk across steps: a prompt larger than the primary
         # tier still reaches it (and the cascade) in pieces that fit.
         piece = max(1, cascade.primary.num_blocks)
@@ -203,7 +211,9 @@ async def _step(cascade: Cascade, gpu: GPUPrefixCache, request: TraceRequest, re
     await cascade.wait_cascades()
 
 
-def _verify(cascade: Cascade, ids: Sequence[int], gpu_ids: Sequence[int], report: ReplayReport) -> int:
+def _verify(
+    cascade: Cascade, ids: Sequence[int], gpu_ids: Sequence[int], report: ReplayReport
+) -> int:
     """Compare loaded GPU blocks with the expected bytes; return the verified leading count."""
     if not ids:
         return 0

@@ -60,7 +60,9 @@ def _iter_trace(path: Path, limit: int | None) -> Iterator[TraceRequest]:
             except json.JSONDecodeError as exc:
                 raise TraceError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
             if not isinstance(record, dict):
-                raise TraceError(f"{path}:{lineno}: expected a JSON object, got {line.strip()[:60]!r}")
+                raise TraceError(
+                    f"{path}:{lineno}: expected a JSON object, got {line.strip()[:60]!r}"
+                )
             ids = record.get("hash_ids")
             if not isinstance(ids, list) or not all(
                 isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids
@@ -72,7 +74,9 @@ def _iter_trace(path: Path, limit: int | None) -> Iterator[TraceRequest]:
             ts = record.get("timestamp", 0)
             length = record.get("input_length", len(ids) * TOKENS_PER_BLOCK)
             if not isinstance(ts, (int, float)) or not isinstance(length, int):
-                raise TraceError(f"{path}:{lineno}: bad timestamp {ts!r} or input_length {length!r}")
+                raise TraceError(
+                    f"{path}:{lineno}: bad timestamp {ts!r} or input_length {length!r}"
+                )
             yield TraceRequest(count, int(ts), length, tuple(ids))
             count += 1
     if count == 0:

@@ -30,14 +30,14 @@ class LookupResult(enum.Enum):
     RETRY = "retry"
 
 
-class Medium(str, enum.Enum):
+class Medium(enum.StrEnum):
     """Storage medium of a tier (spec §1.2). The GPU is not a medium."""
 
     CPU = "CPU"
     STORAGE = "STORAGE"
 
 
-class OffloadPolicy(str, enum.Enum):
+class OffloadPolicy(enum.StrEnum):
     """Which chunks a request offers for storing (spec §1.2)."""
 
     BLOCK_LEVEL = "block_level"

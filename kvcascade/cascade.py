@@ -23,12 +23,11 @@ from ._config import CascadeConfig
 from ._types import LookupResult, ReqContext
 from .coordinator import TieringCoordinator
 from .index.cpu import CPUOffloadingManager
-from .tiers._file_mapper import FileMapper, default_identity
+from .tiers._file_mapper import default_identity
 from .tiers.base import SecondaryTier
 from .tiers.cpu import HostBuffer
 from .tiers.device import DeviceTier
-from .tiers.fs import fs_tier_from_config
-from .tiers.memory import MemoryTier
+from .tiers.registry import TierContext, create_secondary_tier
 
 log = logging.getLogger(__name__)
 
@@ -75,17 +74,6 @@ class StoreResult:
     bytes: int = 0
 
 
-def _build_tier(index: int, cfg: dict, host: HostBuffer, config: CascadeConfig) -> SecondaryTier:
-    cfg = dict(cfg)
-    kind = cfg.pop("type")
-    if kind in ("memory", "example"):
-        return MemoryTier(host, name=cfg.get("name", kind))
-    identity = default_identity(
-        model_name=config.model_name, cache_salt=config.cache_salt, block_bytes=config.block_bytes
-    )
-    return fs_tier_from_config(host, FileMapper(identity), cfg)
-
-
 class Cascade:
     """GPU → CPU → secondary tiers, built from a :class:`CascadeConfig`.
 
@@ -107,9 +95,14 @@ class Cascade:
         )
         self.device = DeviceTier(config.gpu_blocks, self.host)
         self.tiers: list[SecondaryTier] = []
+        identity = default_identity(
+            model_name=config.model_name,
+            cache_salt=config.cache_salt,
+            block_bytes=config.block_bytes,
+        )
         try:
-            for i, tier_cfg in enumerate(config.secondary_tiers):
-                self.tiers.append(_build_tier(i, tier_cfg, self.host, config))
+            for tier_cfg in config.secondary_tiers:
+                self.tiers.append(create_secondary_tier(tier_cfg, TierContext(self.host, identity)))
         except BaseException:
             self._release()
             raise
@@ -142,8 +135,10 @@ class Cascade:
                 pins[key] += 1
                 out.tiers.append("cpu")
             elif result is LookupResult.HIT_PENDING:
-                source = "cpu" if in_primary else next(
-                    self.tiers[i].name for i, f in sorted(verdicts.items()) if f
+                source = (
+                    "cpu"
+                    if in_primary
+                    else next(self.tiers[i].name for i, f in sorted(verdicts.items()) if f)
                 )
                 out.tiers.append(source)
             else:
@@ -151,7 +146,9 @@ class Cascade:
             out.keys.append(key)
         return out
 
-    async def load(self, keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Sequence[int]) -> LoadResult:
+    async def load(
+        self, keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Sequence[int]
+    ) -> LoadResult:
         """Bring ``keys`` (a prefix found by :meth:`lookup_prefix`) into GPU blocks ``gpu_ids``.
 
         Flushes and awaits the promotions, then copies the leading run of keys that are ready
@@ -179,19 +176,25 @@ class Cascade:
                 coord.prepare_load([key], ctx)
                 pins[key] += 1
             ready.append(key)
-        result = LoadResult(0, failed_keys=list(keys[len(ready):]))
+        result = LoadResult(0, failed_keys=list(keys[len(ready) :]))
         if ready:
             slots = np.asarray([self.primary.get_block(k).block_id for k in ready], dtype=np.int64)  # type: ignore[union-attr]
-            transfer = await self.device.load(slots, np.asarray(gpu_ids[: len(ready)], dtype=np.int64))
+            transfer = await self.device.load(
+                slots, np.asarray(gpu_ids[: len(ready)], dtype=np.int64)
+            )
             if transfer.success:
-                result = LoadResult(len(ready), transfer.bytes, transfer.seconds, list(keys[len(ready):]))
+                result = LoadResult(
+                    len(ready), transfer.bytes, transfer.seconds, list(keys[len(ready) :])
+                )
             else:
                 log.warning("device load failed: %s", transfer.error)
                 result = LoadResult(0, failed_keys=list(keys))
         self._release_pins(ctx, keys)
         return result
 
-    async def store(self, keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Sequence[int]) -> StoreResult:
+    async def store(
+        self, keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Sequence[int]
+    ) -> StoreResult:
         """Offload GPU blocks ``gpu_ids[i]`` under ``keys[i]`` (GPU → CPU, then the cascade).
 
         Keys already present are skipped. When the primary tier has no evictable room, waits
@@ -289,7 +292,9 @@ async def open_cascade(config: CascadeConfig) -> AsyncIterator[Cascade]:
         yield cascade
     finally:
         await cascade._shutdown()
-        done, pending = await asyncio.wait(actors, timeout=SHUTDOWN_TIMEOUT_S) if actors else ((), ())
+        done, pending = (
+            await asyncio.wait(actors, timeout=SHUTDOWN_TIMEOUT_S) if actors else ((), ())
+        )
         for actor in pending:
             actor.cancel()
         for actor in done:

@@ -130,8 +130,11 @@ class TieringCoordinator:
             if verdicts is not None:
                 found = verdicts.get(idx)
                 tier_result = (
-                    LookupResult.RETRY if found is None
-                    else LookupResult.HIT if found else LookupResult.MISS
+                    LookupResult.RETRY
+                    if found is None
+                    else LookupResult.HIT
+                    if found
+                    else LookupResult.MISS
                 )
             else:
                 tier_result = tier.lookup(key, ctx)
@@ -149,9 +152,7 @@ class TieringCoordinator:
         if out is None:
             self.counters["promotion_allocation_failures"] += 1
             return False
-        pending = self._pending_promotions[tier_idx].setdefault(
-            ctx.req_id, _PendingPromotion(ctx)
-        )
+        pending = self._pending_promotions[tier_idx].setdefault(ctx.req_id, _PendingPromotion(ctx))
         pending.keys.extend(out.keys_to_store)
         pending.slots.extend(int(s) for s in out.store_spec.block_ids)  # type: ignore[attr-defined]
         return True
@@ -161,8 +162,11 @@ class TieringCoordinator:
         for idx, per_req in enumerate(self._pending_promotions):
             for pending in per_req.values():
                 job = TransferJob(
-                    self._next_job_id(), pending.keys, np.asarray(pending.slots, dtype=np.int64),
-                    is_promotion=True, req_context=pending.ctx,
+                    self._next_job_id(),
+                    pending.keys,
+                    np.asarray(pending.slots, dtype=np.int64),
+                    is_promotion=True,
+                    req_context=pending.ctx,
                 )
                 futures.append(self._submit(idx, job))
             per_req.clear()
@@ -205,7 +209,9 @@ class TieringCoordinator:
             self._state(ctx).pending_primary_stores += 1
         return out
 
-    def complete_store(self, keys: Collection[bytes], ctx: ReqContext, success: bool = True) -> None:
+    def complete_store(
+        self, keys: Collection[bytes], ctx: ReqContext, success: bool = True
+    ) -> None:
         """Finish a GPU→CPU store; on success cascade ``keys`` to every secondary tier.
 
         Each tier's store job pins the keys once (ref count = number of tiers) until the job is
@@ -220,7 +226,9 @@ class TieringCoordinator:
             state.pending_primary_stores -= 1
             self._maybe_finalize(state)
 
-    def cascade(self, keys: Collection[bytes], ctx: ReqContext, tier_idx: int) -> asyncio.Future[JobResult]:
+    def cascade(
+        self, keys: Collection[bytes], ctx: ReqContext, tier_idx: int
+    ) -> asyncio.Future[JobResult]:
         """Pin ``keys`` (present and ready in the primary tier) and store them to one tier."""
         keys = list(keys)
         spec = self.primary.prepare_load(keys, ctx)
@@ -240,7 +248,9 @@ class TieringCoordinator:
         for idx, tier in enumerate(self.tiers):
             if tier.on_new_request(ctx).policy is OffloadPolicy.REQUEST_LEVEL:
                 state.request_level_tiers.add(idx)
-        policy = OffloadPolicy.REQUEST_LEVEL if state.request_level_tiers else OffloadPolicy.BLOCK_LEVEL
+        policy = (
+            OffloadPolicy.REQUEST_LEVEL if state.request_level_tiers else OffloadPolicy.BLOCK_LEVEL
+        )
         return RequestOffloadingContext(policy)
 
     def on_request_finished(self, ctx: ReqContext) -> None:
@@ -257,7 +267,9 @@ class TieringCoordinator:
             del self._req_state[state.ctx.req_id]
 
     # -- step ------------------------------------------------------------------------------
-    def on_schedule_end(self, ctx: ScheduleEndContext | None = None) -> list[asyncio.Future[JobResult]]:
+    def on_schedule_end(
+        self, ctx: ScheduleEndContext | None = None
+    ) -> list[asyncio.Future[JobResult]]:
         """Once per step (spec §3.8): poll, reset the gate, flush promotions, flush probes.
 
         Returns the futures of the promotion jobs submitted now.
@@ -281,7 +293,8 @@ class TieringCoordinator:
         optionally only those touching one of ``keys``."""
         wanted = None if keys is None else set(keys)
         return [
-            fut for job, _, fut in self._jobs.values()
+            fut
+            for job, _, fut in self._jobs.values()
             if (promotions is None or job.is_promotion == promotions)
             and (wanted is None or not wanted.isdisjoint(job.keys))
         ]

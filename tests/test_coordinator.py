@@ -17,7 +17,9 @@ def key(i: int) -> bytes:
 
 
 @asynccontextmanager
-async def tiering(num_blocks: int = 5, num_tiers: int = 2) -> AsyncIterator[tuple[kc.TieringCoordinator, kc.HostBuffer, list[kc.MemoryTier]]]:
+async def tiering(
+    num_blocks: int = 5, num_tiers: int = 2
+) -> AsyncIterator[tuple[kc.TieringCoordinator, kc.HostBuffer, list[kc.MemoryTier]]]:
     """Primary of ``num_blocks`` slots and ``num_tiers`` in-memory tiers, actors running."""
     host = kc.HostBuffer(num_blocks, 64)
     primary = kc.CPUOffloadingManager(num_blocks, enable_events=True)
@@ -43,7 +45,9 @@ async def settle(coord: kc.TieringCoordinator) -> None:
         await asyncio.wait(futures)
 
 
-def store(coord: kc.TieringCoordinator, ctx: kc.ReqContext, keys: list[bytes], host: kc.HostBuffer) -> list[bytes]:
+def store(
+    coord: kc.TieringCoordinator, ctx: kc.ReqContext, keys: list[bytes], host: kc.HostBuffer
+) -> list[bytes]:
     out = coord.prepare_store(keys, ctx)
     assert out is not None
     for k, slot in zip(out.keys_to_store, out.store_spec.block_ids):
@@ -155,14 +159,17 @@ async def test_events_primary_then_tiers() -> None:
         await settle(coord)
         events = list(coord.take_events())
         assert [(e.tier, e.removed, e.keys) for e in events] == [
-            ("cpu", False, [key(1)]), ("mem0", False, [key(1)]), ("mem1", False, [key(1)])
+            ("cpu", False, [key(1)]),
+            ("mem0", False, [key(1)]),
+            ("mem1", False, [key(1)]),
         ]
 
 
 async def test_cascade_api_round_trip_through_memory_tier() -> None:
     """The awaitable API: what was stored comes back byte-exact after the primary evicted it."""
-    config = kc.CascadeConfig(block_bytes=64, gpu_blocks=8, cpu_blocks=2,
-                              secondary_tiers=[{"type": "memory"}])
+    config = kc.CascadeConfig(
+        block_bytes=64, gpu_blocks=8, cpu_blocks=2, secondary_tiers=[{"type": "memory"}]
+    )
     async with kc.open_cascade(config) as cascade:
         ctx = kc.ReqContext("w")
         cascade.device.kv[:4] = torch.arange(4, dtype=torch.int8)[:, None]  # block i: byte i

@@ -276,15 +276,32 @@ def test_triton_kernel_interpreted_on_cpu() -> None:
 
 
 @needs_cuda
+@pytest.mark.parametrize("direction", [("cpu", "cuda"), ("cuda", "cpu")], ids=["h2d", "d2h"])
 @pytest.mark.parametrize("page", [8, 1000 * 8, 4096, 28 * 1024 - 8, 65536])
-def test_triton_kernel_cuda(page) -> None:
+def test_triton_kernel_cuda(page, direction) -> None:
     pytest.importorskip("triton")
     n = 40
-    src, dst, base = make_case("cpu", "cuda", page, n + 3, n + 5, page + 16, 8)
+    src, dst, base = make_case(*direction, page, n + 3, n + 5, page + 16, 8)
     src_ids, dst_ids = pick_ids(n + 3, n + 5, n, seed=page)
     ref = reference(base, 8, page, src, src_ids, dst_ids)
     assert swap_blocks(src, dst, src_ids, dst_ids, kernel="triton") == n * page
     _sync()
+    assert torch.equal(base.cpu(), ref)
+
+
+@needs_cuda
+@pytest.mark.parametrize("direction", DIRECTIONS[1:], ids=lambda d: f"{d[0]}->{d[1]}")
+def test_cpp_cuda_side_stream(direction) -> None:
+    """On a non-default stream the CUDA op uses cudaMemcpyBatchAsync (CUDA runtime >= 12.8)."""
+    page, n = 4096 + 8, 64
+    src, dst, base = make_case(*direction, page, n, n + 3, page + 8, 0)
+    src_ids, dst_ids = pick_ids(n, n + 3, n, seed=5)
+    ref = reference(base, 0, page, src, src_ids, dst_ids)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        assert swap_blocks(src, dst, src_ids, dst_ids, kernel="cpp") == n * page
+    stream.synchronize()
     assert torch.equal(base.cpu(), ref)
 
 

@@ -38,7 +38,9 @@ def ideal_hits(trace: Sequence[TraceRequest]) -> int:
     return hits
 
 
-def two_level_lru(trace: Sequence[TraceRequest], gpu_blocks: int, cpu_blocks: int) -> dict[str, int]:
+def two_level_lru(
+    trace: Sequence[TraceRequest], gpu_blocks: int, cpu_blocks: int
+) -> dict[str, int]:
     """A plain simulation of the replay's GPU LRU prefix cache over a CPU LRU tier (no fs).
 
     CPU recency follows vLLM's LRU (spec §2.4): touch of all the request's keys in reverse
@@ -114,10 +116,14 @@ def test_two_level_lru_matches_plain_simulation(
     assert report.verified_blocks == expected["cpu"]
 
 
-def test_fs_tier_serves_what_the_cpu_tier_evicted(trace: list[TraceRequest], tmp_path: Path) -> None:
+def test_fs_tier_serves_what_the_cpu_tier_evicted(
+    trace: list[TraceRequest], tmp_path: Path
+) -> None:
     """With a tiny CPU tier the fs tier supplies the hits, byte-exact, and bytes add up."""
     config = CascadeConfig(
-        block_bytes=256, gpu_blocks=256, cpu_blocks=250,
+        block_bytes=256,
+        gpu_blocks=256,
+        cpu_blocks=250,
         secondary_tiers=[{"type": "fs", "root_dir": str(tmp_path)}],
     )
     report = run_replay(trace[:200], config)
@@ -129,7 +135,9 @@ def test_fs_tier_serves_what_the_cpu_tier_evicted(trace: list[TraceRequest], tmp
     assert report.corrupt_blocks == 0
 
 
-def test_corrupt_block_file_is_detected_and_recomputed(trace: list[TraceRequest], tmp_path: Path) -> None:
+def test_corrupt_block_file_is_detected_and_recomputed(
+    trace: list[TraceRequest], tmp_path: Path
+) -> None:
     """A byte flipped in a block file is caught before use: counted corrupt, treated as a miss."""
     tiers = [{"type": "fs", "root_dir": str(tmp_path)}]
     config = CascadeConfig(block_bytes=256, gpu_blocks=256, cpu_blocks=8, secondary_tiers=tiers)
@@ -151,12 +159,35 @@ def test_corrupt_block_file_is_detected_and_recomputed(trace: list[TraceRequest]
 
 def test_json_report_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "r.json"
-    code = main(["replay", "--requests", "30", "--block-bytes", "128", "--cpu-blocks", "16",
-                 "--fs-dir", str(tmp_path / "fs"), "--json", str(out), "--quiet"])
+    code = main(
+        [
+            "replay",
+            "--requests",
+            "30",
+            "--block-bytes",
+            "128",
+            "--cpu-blocks",
+            "16",
+            "--fs-dir",
+            str(tmp_path / "fs"),
+            "--json",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert code == 0
     report = json.loads(out.read_text())
-    for field in ("requests", "block_instances", "hit_blocks", "prefix_hit_ratio", "bytes",
-                  "verified_blocks", "corrupt_blocks", "evictions", "wall_s"):
+    for field in (
+        "requests",
+        "block_instances",
+        "hit_blocks",
+        "prefix_hit_ratio",
+        "bytes",
+        "verified_blocks",
+        "corrupt_blocks",
+        "evictions",
+        "wall_s",
+    ):
         assert field in report
     assert report["requests"] == 30
     assert set(report["hit_blocks"]) == {"gpu", "cpu", "fs"}
@@ -172,10 +203,15 @@ def test_json_report_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         (["replay", "--requests", "2", "--config", "{not json"], "not valid JSON"),
         (["replay", "--requests", "2", "--eviction-policy", "nope"], "nope"),
         (["replay", "--requests", "2", "--gpu-blocks", "3"], "gpu_blocks=3"),
-        (["replay", "--requests", "2", "--config", '{"secondary_tiers": [{"type": "tape"}]}'], "tape"),
+        (
+            ["replay", "--requests", "2", "--config", '{"secondary_tiers": [{"type": "tape"}]}'],
+            "tape",
+        ),
     ],
 )
-def test_bad_input_is_one_clear_error(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_is_one_clear_error(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err
@@ -192,7 +228,9 @@ def test_malformed_trace_line_names_line(tmp_path: Path) -> None:
 def test_negative_size_exits_nonzero_without_traceback() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "kvcascade._cli", "replay", "--cpu-blocks", "-5"],
-        capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
     assert proc.returncode == 2
     assert "-5" in proc.stderr

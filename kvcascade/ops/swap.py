@@ -8,7 +8,8 @@
               CPU↔CPU, ``cudaMemcpyBatchAsync`` / per-copy ``cudaMemcpyAsync`` on the current
               stream when a CUDA tensor is involved (``kernels/swap_blocks_cuda.cu``).
 ``"triton"``  the ``kernels/triton_swap.py`` kernel, for many small pages read from pinned host
-              memory into the GPU (or, under ``TRITON_INTERPRET=1``, CPU↔CPU).
+              memory into the GPU (also GPU→pinned host when forced; under
+              ``TRITON_INTERPRET=1`` CPU↔CPU only).
 ``"torch"``   ``index_select`` + ``index_copy_`` (always available; the reference).
 ``"auto"``    spec §5.4: GPU→CPU and GPU→GPU use ``"cpp"``; CPU→GPU uses ``"triton"`` when Triton
               is usable, the host rows are pinned, page and addresses are multiples of 8, the page
@@ -191,10 +192,11 @@ def _triton_ok(src: torch.Tensor, dst: torch.Tensor, page: int) -> str | None:
         if src.is_cuda or dst.is_cuda:
             return "TRITON_INTERPRET=1 runs on CPU tensors only"
     else:
-        if not dst.is_cuda:
-            return "the compiled Triton kernel writes GPU memory only (set TRITON_INTERPRET=1)"
-        if not src.is_cuda and not src.is_pinned():
-            return "the host source rows must be pinned for the Triton kernel"
+        if not (src.is_cuda or dst.is_cuda):
+            return "the compiled Triton kernel needs a CUDA tensor (or set TRITON_INTERPRET=1)"
+        for name, t in (("source", src), ("destination", dst)):
+            if not t.is_cuda and not t.is_pinned():
+                return f"the host {name} rows must be pinned for the Triton kernel"
     return None
 
 
@@ -236,7 +238,12 @@ def swap_blocks(
 
     Returns:
         bytes copied (``len(src_ids) × page_bytes``). On CUDA the copy is enqueued on the current
-        stream and may still be running.
+        stream and may still be running; host→GPU copies through the C++ op let the driver read
+        the host rows out of stream order (spec §5.4 "ANY"), so nothing may write those rows until
+        the copy completes.
+
+    The first non-torch call builds the extension (tens of seconds, cached on disk afterwards):
+    call :func:`extension_available` once at start-up, off the event loop.
 
     Raises:
         ValueError: mismatched lengths, page sizes or dtypes, an id out of range, an unknown
@@ -302,9 +309,10 @@ def _swap_triton(
         raise RuntimeError("kernel 'triton' is not available")
     page = src.shape[1]
     s, d, z = block_descriptors(src, dst, src_ids, dst_ids)
-    if dst.is_cuda:
-        with torch.cuda.device(dst.device):
-            s, d, z = (t.pin_memory().to(dst.device, non_blocking=True) for t in (s, d, z))
+    cuda = dst if dst.is_cuda else src
+    if cuda.is_cuda:
+        with torch.cuda.device(cuda.device):
+            s, d, z = (t.pin_memory().to(cuda.device, non_blocking=True) for t in (s, d, z))
             mod.batch_copy(s, d, z, page, kernel_settings().triton_num_programs)
     else:
         mod.batch_copy(s, d, z, page, kernel_settings().triton_num_programs)

@@ -7,6 +7,7 @@ passive memory; its bookkeeping lives in :class:`kvcascade.index.CPUOffloadingMa
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 
 import torch
@@ -45,9 +46,13 @@ class HostBuffer:
         self.nbytes = num_blocks * self.row_bytes
         self._mmap: mmap.mmap | None = mmap.mmap(-1, max(self.nbytes, PAGE_SIZE))
         self._view = memoryview(self._mmap)[: self.nbytes]
-        self._tensor = torch.frombuffer(self._mmap, dtype=torch.int8, count=self.nbytes).view(
-            num_blocks, self.row_bytes
-        ) if self.nbytes else torch.empty((0, self.row_bytes), dtype=torch.int8)
+        self._tensor = (
+            torch.frombuffer(self._mmap, dtype=torch.int8, count=self.nbytes).view(
+                num_blocks, self.row_bytes
+            )
+            if self.nbytes
+            else torch.empty((0, self.row_bytes), dtype=torch.int8)
+        )
 
     @property
     def memoryview(self) -> memoryview:
@@ -75,8 +80,6 @@ class HostBuffer:
             return
         self._view.release()
         self._tensor = torch.empty((0, self.row_bytes), dtype=torch.int8)
-        try:
+        with contextlib.suppress(BufferError):  # a caller still holds a view: unmapped on GC
             self._mmap.close()
-        except BufferError:
-            pass  # a caller still holds a view; the mapping goes when it is collected
         self._mmap = None

@@ -7,16 +7,18 @@ or S3. Blocks are kept as ``bytes`` copies in a dict; nothing is ever evicted.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from .._errors import TransferError
 from .base import SecondaryTier
 from .cpu import HostBuffer
 
+if TYPE_CHECKING:
+    from .registry import TierContext
+
 
 class MemoryTier(SecondaryTier):
     """Secondary tier keeping every block in a Python dict (unbounded)."""
-
-    medium = SecondaryTier.medium
 
     def __init__(self, host: HostBuffer, name: str = "memory", io_threads: int = 1) -> None:
         super().__init__(name, host, io_threads=io_threads)
@@ -39,6 +41,6 @@ class MemoryTier(SecondaryTier):
         return [k in self.blocks for k in keys]
 
 
-def make_memory_tier(host: HostBuffer, name: str = "memory") -> MemoryTier:
-    """Factory used by the ``secondary_tiers`` config (``type: "memory"`` or ``"example"``)."""
-    return MemoryTier(host, name=name)
+def memory_tier_factory(ctx: TierContext, name: str = "memory") -> MemoryTier:
+    """Factory of ``{"type": "memory"}`` (alias ``"example"``); the only key is ``name``."""
+    return MemoryTier(ctx.host, name=name)

@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# GPU check of the copy kernels (issue #6). Target: < 5 minutes on one H200.
+#
+#   bash benchmarks/gpu_check.sh
+#
+# 1. builds the extension (C++ + CUDA) and loads the Triton kernel, printing what is available;
+# 2. compiles kernels/swap_blocks_cuda.cu standalone with nvcc (if nvcc is on PATH);
+# 3. runs tests/test_kernels.py (CPU cases plus the same cases with CUDA tensors);
+# 4. prints H2D (load) and D2H (store) GB/s for pages 4 KiB … 2 MiB: swap_blocks with the C++ op
+#    and with the Triton kernel, on a side stream, against one contiguous torch copy_ from/to
+#    pinned memory of the same bytes (plain cudaMemcpyAsync).
+# Environment: KVCASCADE_BUILD_DIR (default build/kvcascade_ext), GPU_CHECK_TOTAL_MIB (256).
+# Exit status: non-zero if the build, nvcc or the tests failed (the benchmark still runs).
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export KVCASCADE_BUILD_DIR="${KVCASCADE_BUILD_DIR:-$PWD/build/kvcascade_ext}"
+PY="${PYTHON:-python}"
+status=0
+
+echo "== environment"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+command -v nvcc >/dev/null && nvcc --version | tail -1
+"$PY" - <<'EOF' || exit 2
+import torch
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, available {torch.cuda.is_available()}")
+try:
+    import triton
+    print(f"triton {triton.__version__}")
+except ImportError:
+    print("triton not installed")
+if not torch.cuda.is_available():
+    raise SystemExit("no CUDA device visible to torch")
+EOF
+if ! command -v ninja >/dev/null; then
+    "$PY" -m pip install -q ninja >/dev/null 2>&1 || echo "warning: ninja missing (torch may fall back)"
+fi
+
+echo "== build (cached in $KVCASCADE_BUILD_DIR)"
+SECONDS=0
+timeout 300 "$PY" - <<'EOF' || status=1
+import logging
+logging.basicConfig(level=logging.INFO)
+from kvcascade.ops import _build, extension_available, triton_available
+ok = extension_available()
+ext = _build.load_extension()
+print(f"extension: {ok}, has_cuda: {ext.has_cuda() if ext else None}, "
+      f"error: {_build.extension_error()}")
+print(f"triton kernel: {triton_available()}")
+if not (ok and ext.has_cuda()):
+    raise SystemExit("CUDA extension not built")
+EOF
+echo "build: ${SECONDS}s"
+
+echo "== nvcc standalone compile"
+if command -v nvcc >/dev/null; then
+    bash kernels/check_nvcc.sh "$KVCASCADE_BUILD_DIR/nvcc_check" || status=1
+else
+    echo "nvcc not on PATH, skipped"
+fi
+
+echo "== tests"
+timeout 300 "$PY" -m pytest tests/test_kernels.py -q -p no:cacheprovider -rs || status=1
+
+echo "== bandwidth (GB/s = 1e9 bytes/s, median of 5, side stream)"
+timeout 240 "$PY" - <<'EOF' || status=1
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from kvcascade.ops import swap_blocks, triton_available
+
+total = int(os.environ.get("GPU_CHECK_TOTAL_MIB", "256")) << 20
+pages = [4 << 10, 16 << 10, 28 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20]
+kernels = ["cpp"] + (["triton"] if triton_available() else [])
+stream = torch.cuda.Stream()
+
+
+def median_s(fn, reps=5):
+    with torch.cuda.stream(stream):
+        fn()
+        stream.synchronize()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            stream.synchronize()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+print(f"{'page':>8} {'dir':>4} {'blocks':>6} " + "".join(f"{k:>9}" for k in kernels)
+      + f" {'memcpy':>9} " + "".join(f"{k + '/mc':>10}" for k in kernels))
+for page in pages:
+    n = max(1, total // page)
+    gpu = torch.empty(2 * n, page, dtype=torch.int8, device="cuda").random_(-128, 127)
+    host = torch.empty(2 * n, page, dtype=torch.int8).pin_memory()
+    host.random_(-128, 127)
+    rng = np.random.default_rng(page)
+    g_ids = rng.permutation(2 * n)[:n].astype(np.int64)
+    h_ids = rng.permutation(2 * n)[:n].astype(np.int64)
+    torch.cuda.synchronize()
+    for name, src, dst, s_ids, d_ids in (("h2d", host, gpu, h_ids, g_ids),
+                                         ("d2h", gpu, host, g_ids, h_ids)):
+        row = []
+        for k in kernels:
+            t = median_s(lambda k=k: swap_blocks(src, dst, s_ids, d_ids, kernel=k))
+            row.append(n * page / t / 1e9)
+            ok = torch.equal(dst.index_select(0, torch.from_numpy(d_ids).to(dst.device)).cpu(),
+                             src.index_select(0, torch.from_numpy(s_ids).to(src.device)).cpu())
+            if not ok:
+                raise SystemExit(f"mismatch: kernel {k} page {page} {name}")
+        t_mc = median_s(lambda: dst[:n].copy_(src[n:], non_blocking=True))
+        mc = n * page / t_mc / 1e9
+        print(f"{page:>8} {name:>4} {n:>6} " + "".join(f"{v:>9.2f}" for v in row)
+              + f" {mc:>9.2f} " + "".join(f"{v / mc:>10.2f}" for v in row))
+    del gpu, host
+    torch.cuda.empty_cache()
+EOF
+
+echo "== done in ${SECONDS}s total since build start, status $status"
+exit $status

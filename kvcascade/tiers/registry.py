@@ -1,0 +1,119 @@
+"""Secondary-tier types: name → factory registry (spec §3.11, §9.9).
+
+Built-in types resolve lazily (no import until used): ``fs``; ``memory`` (vLLM's ``example`` is an
+alias); ``s3`` (vLLM's ``obj`` is an alias). Out-of-tree tiers either register a factory with
+:func:`register_secondary_tier`, or are named in config by ``type`` plus ``module_path`` — the
+class called ``type`` is imported from that module, like vLLM's ``SecondaryTierFactory``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import ConfigError
+from ._file_mapper import FileMapper
+from .base import SecondaryTier
+from .cpu import HostBuffer
+
+
+@dataclass(frozen=True)
+class TierContext:
+    """What every tier factory receives besides its own config keys.
+
+    Attributes:
+        host: the primary tier's buffer (rows addressed by slot id).
+        identity: namespace identity fields of persistent tiers (model, dtype, geometry, salt).
+    """
+
+    host: HostBuffer
+    identity: dict[str, Any]
+
+    def mapper(self, cache_salt: str | None = None) -> FileMapper:
+        """The namespace of a persistent tier; ``cache_salt`` (if given) joins the identity."""
+        identity = dict(self.identity)
+        if cache_salt:
+            identity["cache_salt"] = cache_salt
+        return FileMapper(identity)
+
+
+TierFactory = Callable[..., SecondaryTier]
+
+_REGISTRY: dict[str, str | TierFactory] = {
+    "fs": "kvcascade.tiers.registry:_fs_factory",
+    "memory": "kvcascade.tiers.memory:memory_tier_factory",
+    "example": "kvcascade.tiers.memory:memory_tier_factory",
+}
+
+
+def _fs_factory(ctx: TierContext, **kwargs: Any) -> SecondaryTier:
+    from .fs import fs_tier_from_config
+
+    salt = kwargs.pop("cache_salt", None)
+    return fs_tier_from_config(ctx.host, ctx.mapper(salt), kwargs)
+
+
+def register_secondary_tier(type_name: str, factory: str | TierFactory) -> None:
+    """Register a tier type: ``factory(ctx: TierContext, **tier_kwargs) -> SecondaryTier``
+    (or a ``"module:function"`` string resolved on first use).
+
+    Raises:
+        ValueError: ``type_name`` is already registered.
+    """
+    if type_name in _REGISTRY:
+        raise ValueError(f"secondary tier type {type_name!r} is already registered")
+    _REGISTRY[type_name] = factory
+
+
+def registered_secondary_tiers() -> list[str]:
+    """The registered tier type names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def _resolve(path: str) -> Any:
+    module_name, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def resolve_tier_factory(tier_cfg: dict[str, Any]) -> TierFactory:
+    """The factory for one ``secondary_tiers`` entry (checks ``type`` and ``module_path``).
+
+    Raises:
+        ConfigError: ``type`` missing or empty, or unknown without ``module_path``.
+        ModuleNotFoundError: ``module_path`` does not import.
+        TypeError: the class named ``type`` in ``module_path`` is not a :class:`SecondaryTier`.
+    """
+    if not isinstance(tier_cfg, dict):
+        raise ConfigError(f"each secondary tier must be a dict, got {tier_cfg!r}")
+    kind = tier_cfg.get("type")
+    if not kind or not isinstance(kind, str):
+        raise ConfigError(f"secondary tier config must include 'type': {tier_cfg!r}")
+    module_path = tier_cfg.get("module_path")
+    if module_path:
+        cls = getattr(importlib.import_module(module_path), kind, None)
+        if not (inspect.isclass(cls) and issubclass(cls, SecondaryTier)):
+            raise TypeError(f"{module_path}.{kind} is not a SecondaryTier subclass: {cls!r}")
+        return lambda ctx, **kw: cls(ctx.host, **kw)
+    entry = _REGISTRY.get(kind)
+    if entry is None:
+        known = ", ".join(registered_secondary_tiers())
+        raise ConfigError(
+            f"Unknown secondary tier type {kind!r}; known: {known} (or give 'module_path')"
+        )
+    return _resolve(entry) if isinstance(entry, str) else entry
+
+
+def create_secondary_tier(tier_cfg: dict[str, Any], ctx: TierContext) -> SecondaryTier:
+    """Build one tier: its config without ``type``/``module_path`` becomes keyword arguments;
+    ``name`` defaults to the type.
+
+    Raises:
+        ConfigError: see :func:`resolve_tier_factory`, or a bad tier key.
+    """
+    factory = resolve_tier_factory(tier_cfg)
+    kwargs = {k: v for k, v in tier_cfg.items() if k not in ("type", "module_path")}
+    kwargs.setdefault("name", tier_cfg["type"])
+    return factory(ctx, **kwargs)
