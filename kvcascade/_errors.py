@@ -7,6 +7,7 @@
     ├── TraceError  (also ValueError)      missing or malformed trace file
     ├── CorruptBlockError                  a stored block failed its checksum or length check
     ├── TierUnavailableError               a tier cannot serve (closed, endpoint down)
+    ├── BlockUnavailableError (also KeyError)  prepare_load of a key no longer readable
     └── TransferError                      a transfer job failed; carries the keys that did succeed
 
 Expected outcomes (a miss, a block no longer available) are typed results, not exceptions.
@@ -35,6 +36,19 @@ class CorruptBlockError(KVCascadeError):
 
 class TierUnavailableError(KVCascadeError):
     """A tier is closed or its backing store cannot be reached."""
+
+
+class BlockUnavailableError(KVCascadeError, KeyError):
+    """``prepare_load`` of keys that are no longer readable (evicted since the lookup, or never
+    found). Nothing was pinned.
+
+    Attributes:
+        keys: the unavailable keys.
+    """
+
+    def __init__(self, keys: Sequence[bytes]) -> None:
+        super().__init__(f"{len(keys)} keys are no longer available: {list(keys)[:4]!r}")
+        self.keys = list(keys)
 
 
 class TransferError(KVCascadeError):

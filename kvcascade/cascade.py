@@ -16,17 +16,18 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from ._config import CascadeConfig
-from ._types import LookupResult, ReqContext
+from ._types import LookupResult, OffloadingEvent, ReqContext
 from .coordinator import TieringCoordinator
 from .index.cpu import CPUOffloadingManager
 from .tiers._file_mapper import default_identity
 from .tiers.base import SecondaryTier
 from .tiers.cpu import HostBuffer
-from .tiers.device import DeviceTier
+from .tiers.device import DeviceTier, DeviceTransfer
 from .tiers.registry import TierContext, create_secondary_tier
 
 log = logging.getLogger(__name__)
@@ -107,16 +108,18 @@ class Cascade:
             self._release()
             raise
         self.coordinator = TieringCoordinator(self.primary, self.tiers)
-        self._pins: dict[str, collections.Counter[bytes]] = {}
+        self._store_waits: dict[bytes, asyncio.Future[None]] = {}
         self.counters: collections.Counter[str] = collections.Counter()
 
     # -- awaitable API ---------------------------------------------------------------------
     async def lookup_prefix(self, keys: Sequence[bytes], ctx: ReqContext) -> PrefixLookup:
         """The longest prefix of ``keys`` available in any tier (awaits secondary probes).
 
-        Primary hits are pinned at once (released by :meth:`load` or :meth:`finish_request`);
-        secondary hits get a primary slot reserved and a promotion queued, as with vLLM's
-        lookup (spec §3.6), so they cannot be evicted before :meth:`load`.
+        Primary hits are pinned for the request at once (the coordinator's lookup pins; released
+        by :meth:`load` or :meth:`finish_request`); secondary hits get a primary slot reserved
+        and a promotion queued, as with vLLM's lookup (spec §3.6), so they cannot be evicted
+        before :meth:`load`. A key whose write is in flight for another request counts as
+        available: :meth:`load` waits for that write instead of issuing a second one.
         """
         coord = self.coordinator
         absent = [k for k in keys if self.primary.get_block(k) is None]
@@ -125,22 +128,17 @@ class Cascade:
             answers = await tier.contains(absent) if absent else []
             found.append(dict(zip(absent, answers)))
         out = PrefixLookup()
-        pins = self._pins.setdefault(ctx.req_id, collections.Counter())
         for key in keys:
             verdicts = {i: f[key] for i, f in enumerate(found) if key in f}
             in_primary = self.primary.get_block(key) is not None
             result = coord.lookup(key, ctx, verdicts=verdicts)
             if result is LookupResult.HIT:
-                coord.prepare_load([key], ctx)
-                pins[key] += 1
                 out.tiers.append("cpu")
             elif result is LookupResult.HIT_PENDING:
-                source = (
-                    "cpu"
-                    if in_primary
-                    else next(self.tiers[i].name for i, f in sorted(verdicts.items()) if f)
-                )
-                out.tiers.append(source)
+                source = coord.promotion_source(key) if in_primary else None
+                if source is None and not in_primary:
+                    source = next(self.tiers[i].name for i, f in sorted(verdicts.items()) if f)
+                out.tiers.append(source or "cpu")
             else:
                 break
             out.keys.append(key)
@@ -151,9 +149,11 @@ class Cascade:
     ) -> LoadResult:
         """Bring ``keys`` (a prefix found by :meth:`lookup_prefix`) into GPU blocks ``gpu_ids``.
 
-        Flushes and awaits the promotions, then copies the leading run of keys that are ready
-        in the primary tier. Keys after the first failure are released and reported in
-        ``failed_keys``; a failed key is never reported as loaded.
+        Flushes the queued promotions and awaits every write the keys depend on (promotions and
+        GPU→CPU stores, also other requests'), then copies the leading run of keys that are
+        ready in the primary tier. Keys after the first failure are released and reported in
+        ``failed_keys``; a failed key is never reported as loaded. Cancelled while copying, the
+        copy finishes before the pins are released.
 
         Raises:
             ValueError: ``keys`` and ``gpu_ids`` differ in length.
@@ -162,44 +162,45 @@ class Cascade:
             raise ValueError(f"{len(keys)} keys but {len(gpu_ids)} GPU block ids")
         coord = self.coordinator
         coord.on_schedule_end()
-        waits = coord.job_futures(promotions=True, keys=keys)
+        waits: list[asyncio.Future[Any]] = coord.job_futures(promotions=True, keys=keys)
+        waits += {id(f): f for k in keys if (f := self._store_waits.get(k))}.values()
         if waits:
             await asyncio.wait(waits)
         coord.poll_now()
-        pins = self._pins.setdefault(ctx.req_id, collections.Counter())
         ready: list[bytes] = []
         for key in keys:
             block = self.primary.get_block(key)
             if block is None or block.ref_cnt < 0:
                 break
-            if not pins[key]:
-                coord.prepare_load([key], ctx)
-                pins[key] += 1
             ready.append(key)
-        result = LoadResult(0, failed_keys=list(keys[len(ready) :]))
-        if ready:
-            slots = np.asarray([self.primary.get_block(k).block_id for k in ready], dtype=np.int64)  # type: ignore[union-attr]
-            transfer = await self.device.load(
-                slots, np.asarray(gpu_ids[: len(ready)], dtype=np.int64)
-            )
-            if transfer.success:
-                result = LoadResult(
-                    len(ready), transfer.bytes, transfer.seconds, list(keys[len(ready) :])
-                )
-            else:
-                log.warning("device load failed: %s", transfer.error)
-                result = LoadResult(0, failed_keys=list(keys))
-        self._release_pins(ctx, keys)
-        return result
+        coord.release_lookup_pins(ctx, keys[len(ready) :])
+        if not ready:
+            return LoadResult(0, failed_keys=list(keys))
+        slots = coord.prepare_load(ready, ctx).block_ids
+        copy = asyncio.ensure_future(
+            self.device.load(slots, np.asarray(gpu_ids[: len(ready)], dtype=np.int64))
+        )
+        try:
+            transfer = await asyncio.shield(copy)
+        except asyncio.CancelledError:
+            await asyncio.wait([copy])
+            raise
+        finally:
+            coord.complete_load(ready, ctx)
+        if not transfer.success:
+            log.warning("device load failed: %s", transfer.error)
+            return LoadResult(0, failed_keys=list(keys))
+        return LoadResult(len(ready), transfer.bytes, transfer.seconds, list(keys[len(ready) :]))
 
     async def store(
         self, keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Sequence[int]
     ) -> StoreResult:
         """Offload GPU blocks ``gpu_ids[i]`` under ``keys[i]`` (GPU → CPU, then the cascade).
 
-        Keys already present are skipped. When the primary tier has no evictable room, waits
-        for in-flight cascades to release their pins and tries once more; keys that still do not
-        fit are dropped (counted). The cascade to secondary tiers runs in the background.
+        Keys already present (or being written) are skipped. When the primary tier has no
+        evictable room, waits for in-flight cascades to release their pins and tries once more;
+        keys that still do not fit are dropped (counted). The cascade to secondary tiers runs in
+        the background. Cancelled while copying, the copy finishes and its outcome is recorded.
 
         Raises:
             ValueError: ``keys`` and ``gpu_ids`` differ in length.
@@ -219,27 +220,30 @@ class Cascade:
             return StoreResult()
         index = {k: i for i, k in enumerate(keys)}
         src = np.asarray([gpu_ids[index[k]] for k in out.keys_to_store], dtype=np.int64)
-        transfer = await self.device.store(src, out.store_spec.block_ids)  # type: ignore[attr-defined]
-        coord.complete_store(out.keys_to_store, ctx, success=transfer.success)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        for key in out.keys_to_store:
+            self._store_waits[key] = done
+        copy = asyncio.ensure_future(self.device.store(src, out.store_spec.block_ids))  # type: ignore[attr-defined]
+        try:
+            transfer = await asyncio.shield(copy)
+        except asyncio.CancelledError:
+            await asyncio.wait([copy])
+            raise
+        finally:
+            coord.complete_store(out.keys_to_store, ctx, success=_succeeded(copy))
+            for key in out.keys_to_store:
+                if self._store_waits.get(key) is done:
+                    del self._store_waits[key]
+            done.set_result(None)
         if not transfer.success:
             log.warning("device store failed: %s", transfer.error)
             self.counters["store_dropped_blocks"] += len(out.keys_to_store)
             return StoreResult(dropped=len(out.keys_to_store))
         return StoreResult(out.keys_to_store, 0, transfer.bytes)
 
-    def _release_pins(self, ctx: ReqContext, keys: Sequence[bytes] | None = None) -> None:
-        pins = self._pins.get(ctx.req_id)
-        if not pins:
-            return
-        for key in list(pins if keys is None else keys):
-            count = pins.pop(key, 0)
-            if count:
-                self.coordinator.complete_load([key] * count, ctx)
-
     def finish_request(self, ctx: ReqContext) -> None:
-        """The request will submit nothing more: release its pins, tell the coordinator."""
-        self._release_pins(ctx)
-        self._pins.pop(ctx.req_id, None)
+        """The request will submit nothing more (finished or cancelled): release its pins and
+        tell the coordinator."""
         self.coordinator.on_request_finished(ctx)
 
     async def wait_cascades(self) -> None:
@@ -249,6 +253,10 @@ class Cascade:
             await asyncio.wait(cascades)
         self.coordinator.poll_now()
 
+    def events(self) -> AsyncIterator[OffloadingEvent]:
+        """KV events (stored/removed, per tier, in order) as they happen; ends at shutdown."""
+        return self.coordinator.events()
+
     # -- lifecycle ---------------------------------------------------------------------------
     async def _shutdown(self) -> None:
         try:
@@ -257,12 +265,18 @@ class Cascade:
                     await tier.drain()
         except TimeoutError:
             log.warning("cascade shutdown: tiers did not drain within %.0f s", SHUTDOWN_TIMEOUT_S)
-        for tier in self.tiers:
-            tier.close()
+        self.coordinator.shutdown()
 
     def _release(self) -> None:
         self.device.close()
         self.host.close()
+
+
+def _succeeded(copy: asyncio.Future[DeviceTransfer]) -> bool:
+    """True if a device copy finished and succeeded."""
+    return (
+        copy.done() and not copy.cancelled() and copy.exception() is None and copy.result().success
+    )
 
 
 @contextlib.asynccontextmanager

@@ -5,19 +5,34 @@ caller: lookups consult the primary tier, then each secondary tier in order, and
 promotion (a primary slot reserved at once, ``HIT_PENDING``); promotions are flushed as one load
 job per (tier, request) at schedule end; ``complete_store`` fans the stored keys out to every
 secondary tier with one read pin per tier; finished jobs are observed only at poll points, once
-per step. Tier actors resolve each job's future; the synchronous façade collects what is done.
+per step, so eviction decisions stay deterministic. Tier actors resolve each job's future; the
+synchronous façade only collects what is done — nothing polls in a loop.
+
+Divergences from vLLM, each closing a known fault (spec §10):
+
+* A primary ``HIT`` pins the block for the asking request (once per request and key) until
+  ``prepare_load`` takes the pin over or the request finishes, so a block found by ``lookup``
+  cannot be evicted by another request before ``prepare_load``; ``prepare_load`` of a key that is
+  not readable raises :class:`BlockUnavailableError` (typed, nothing pinned) instead of asserting.
+* A primary write (GPU→CPU store or promotion) still not ready ``pending_write_timeout_s`` after
+  it started is failed at the next poll point: its key becomes a miss (no request waits forever
+  on ``HIT_PENDING``, vLLM #49829) and its slot is quarantined until the late writer reports, so
+  a late write can never land in a slot reused by another key.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
-from collections.abc import Collection, Iterable, Iterator, Sequence
+import time
+from collections.abc import AsyncIterator, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+from prometheus_client import CollectorRegistry
 
+from ._errors import BlockUnavailableError
 from ._types import (
     CPULoadStoreSpec,
     JobResult,
@@ -31,9 +46,15 @@ from ._types import (
     TransferJob,
 )
 from .index.cpu import CPUOffloadingManager
+from .metrics import TieringMetrics
 from .tiers.base import SecondaryTier
 
 log = logging.getLogger(__name__)
+
+_HIT = LookupResult.HIT
+_MISS = LookupResult.MISS
+_PENDING = LookupResult.HIT_PENDING
+_RETRY = LookupResult.RETRY
 
 
 @dataclass
@@ -42,6 +63,7 @@ class _RequestState:
     pending_primary_stores: int = 0
     is_finished: bool = False
     request_level_tiers: set[int] = field(default_factory=set)
+    lookup_pins: set[bytes] = field(default_factory=set)
 
 
 @dataclass
@@ -57,19 +79,36 @@ class TieringCoordinator:
     Args:
         primary: bookkeeping of the CPU primary tier.
         tiers: secondary tiers in cascade order (may be empty: then it behaves like the primary).
+        pending_write_timeout_s: a primary write not ready after this many seconds is failed
+            (None: never).
+        registry: Prometheus registry for :attr:`metrics` (default: a private one).
 
     All methods run on the event-loop thread that runs the tiers' actors and never block.
     """
 
-    def __init__(self, primary: CPUOffloadingManager, tiers: Sequence[SecondaryTier]) -> None:
+    def __init__(
+        self,
+        primary: CPUOffloadingManager,
+        tiers: Sequence[SecondaryTier],
+        *,
+        pending_write_timeout_s: float | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.primary = primary
         self.tiers = list(tiers)
+        self.pending_write_timeout_s = pending_write_timeout_s
+        self.metrics = TieringMetrics([t.name for t in self.tiers], registry)
         self._job_counter = 0
         self._jobs: dict[int, tuple[TransferJob, int, asyncio.Future[JobResult]]] = {}
         self._pending_promotions: list[dict[str, _PendingPromotion]] = [{} for _ in self.tiers]
         self._polled_this_step = False
         self._req_state: dict[str, _RequestState] = {}
-        self.counters: collections.Counter[str] = collections.Counter()
+        # key → (monotonic start, req_id, job_id or None) of primary writes in flight.
+        self._writes: dict[bytes, tuple[float, str, int | None]] = {}
+        # Expired writes whose writer has not reported yet: key → (req_id, job_id, slot).
+        self._expired: dict[bytes, tuple[str, int | None, int]] = {}
+        self._event_signal: asyncio.Event | None = None
+        self._closed = False
 
     # -- polling -----------------------------------------------------------------------------
     def _poll(self, force: bool = False) -> None:
@@ -80,31 +119,82 @@ class TieringCoordinator:
         for tier in self.tiers:
             for result in tier.get_finished_jobs():
                 self._apply(result)
+        if self.pending_write_timeout_s is not None:
+            self._expire_writes()
+        primary = self.primary
+        if primary.num_blocks:
+            n = primary.num_blocks
+            writing = primary.num_write_pending
+            reading = n - primary.num_free - primary.num_evictable - writing
+            self.metrics.primary_write_usage.set(writing / n)
+            self.metrics.primary_read_usage.set(max(reading, 0) / n)
+
+    def poll_now(self) -> None:
+        """Apply every finished job now, outside the once-per-step gate (asyncio callers)."""
+        self._poll(force=True)
 
     def _apply(self, result: JobResult) -> None:
         entry = self._jobs.pop(result.job_id, None)
         if entry is None:
             return  # a job from before reset_cache
         job, tier_idx, _ = entry
-        name = self.tiers[tier_idx].name
+        label = self.metrics.tier_label(tier_idx)
         if not job.is_promotion:
+            self.metrics.active_cascade_jobs.labels(label).dec()
             self.primary.complete_load(job.keys)
             if result.success:
-                self.counters[f"cascade_bytes:{name}"] += result.transfer_size
+                self.metrics.write_bytes.labels(label).inc(result.transfer_size)
+                self.metrics.write_seconds.labels(label).observe(result.transfer_time)
             else:
-                self.counters[f"cascade_failures:{name}"] += 1
+                self.metrics.cascade_job_failures.labels(label).inc()
             return
-        ok = job.keys if result.success else list(result.successful_keys or ())
+        self.metrics.active_promotion_jobs.labels(label).dec()
+        ok = list(job.keys) if result.success else list(result.successful_keys or ())
+        ok = [k for k in ok if self._finish_write(k, job.job_id)]
+        failed = [k for k in job.keys if k not in set(ok) and self._finish_write(k, job.job_id)]
         if ok:
             self.primary.complete_store(ok, job.req_context, success=True)
+        if failed:
+            self.primary.complete_store(failed, job.req_context, success=False)
         if not result.success:
-            self.counters[f"promotion_failures:{name}"] += 1
-            done = set(ok)
-            self.primary.complete_store(
-                [k for k in job.keys if k not in done], job.req_context, success=False
-            )
-        self.counters[f"promotion_bytes:{name}"] += result.transfer_size
-        self.counters[f"promoted_blocks:{name}"] += len(ok)
+            self.metrics.promotion_job_failures.labels(label).inc()
+        self.metrics.read_bytes.labels(label).inc(result.transfer_size)
+        self.metrics.read_seconds.labels(label).observe(result.transfer_time)
+
+    # -- pending-write deadline --------------------------------------------------------------
+    def _start_write(self, keys: Sequence[bytes], req_id: str, job_id: int | None) -> None:
+        if self.pending_write_timeout_s is None:
+            return
+        now = time.monotonic()
+        for key in keys:
+            self._writes[key] = (now, req_id, job_id)
+
+    def _finish_write(self, key: bytes, job_id: int | None, req_id: str | None = None) -> bool:
+        """A writer reports ``key``; False if its write had expired (the report is dropped and
+        the quarantined slot freed)."""
+        expired = self._expired.get(key)
+        if (
+            expired is not None
+            and expired[1] == job_id
+            and (req_id is None or expired[0] == req_id)
+        ):
+            del self._expired[key]
+            self.primary.release_quarantined([expired[2]])
+            return False
+        self._writes.pop(key, None)
+        return True
+
+    def _expire_writes(self) -> None:
+        assert self.pending_write_timeout_s is not None
+        limit = time.monotonic() - self.pending_write_timeout_s
+        late = [k for k, (start, _, _) in self._writes.items() if start < limit]
+        for key in late:
+            _, req_id, job_id = self._writes.pop(key)
+            slot = self.primary.quarantine_write(key)
+            if slot is not None:
+                self._expired[key] = (req_id, job_id, slot)
+                self.metrics.expired_writes.inc()
+                log.warning("a write into the primary tier passed its deadline; key is now a miss")
 
     # -- lookups and promotion ------------------------------------------------------------
     def lookup(
@@ -116,41 +206,45 @@ class TieringCoordinator:
     ) -> LookupResult:
         """Where ``key`` is readable from (spec §3.6).
 
-        Primary ``HIT``/``HIT_PENDING`` first; then each secondary tier in order: a ``HIT``
-        reserves a primary slot and queues a promotion (``HIT_PENDING``), or answers ``MISS``
-        when the primary is full; a ``RETRY`` anywhere (probe pending) answers ``RETRY``.
+        Primary ``HIT`` (pinned for ``ctx``'s request, see the module docstring) or
+        ``HIT_PENDING`` first; then each secondary tier allowed, in order: a ``HIT`` reserves a
+        primary slot and queues a promotion (``HIT_PENDING``), or answers ``MISS`` when the
+        primary is full; a ``RETRY`` anywhere (probe pending) answers ``RETRY``.
         ``verdicts`` (tier index → found) replaces the tiers' cached probes for asyncio callers.
         """
         self._poll()
+        metrics = self.metrics
+        metrics.block_queries.labels("0:primary").inc()
         result = self.primary.lookup(key, ctx)
-        if result is not LookupResult.MISS:
-            return result
+        if result is _HIT:
+            metrics.block_hits.labels("0:primary").inc()
+            state = self._state(ctx)
+            if key not in state.lookup_pins:
+                self.primary.prepare_load([key], ctx)
+                state.lookup_pins.add(key)
+            return _HIT
+        if result is _PENDING:
+            return _PENDING
         retry = False
         for idx, tier in enumerate(self.tiers):
             if verdicts is not None:
                 found = verdicts.get(idx)
-                tier_result = (
-                    LookupResult.RETRY
-                    if found is None
-                    else LookupResult.HIT
-                    if found
-                    else LookupResult.MISS
-                )
+                tier_result = _RETRY if found is None else _HIT if found else _MISS
             else:
                 tier_result = tier.lookup(key, ctx)
-            if tier_result is LookupResult.HIT:
-                return (
-                    LookupResult.HIT_PENDING
-                    if self._initiate_promotion(idx, key, ctx)
-                    else LookupResult.MISS
-                )
-            retry |= tier_result is LookupResult.RETRY
-        return LookupResult.RETRY if retry else LookupResult.MISS
+            label = metrics.labels[idx + 1]
+            if tier_result is not _RETRY:
+                metrics.block_queries.labels(label).inc()
+            if tier_result is _HIT:
+                metrics.block_hits.labels(label).inc()
+                return _PENDING if self._initiate_promotion(idx, key, ctx) else _MISS
+            retry |= tier_result is _RETRY
+        return _RETRY if retry else _MISS
 
     def _initiate_promotion(self, tier_idx: int, key: bytes, ctx: ReqContext) -> bool:
         out = self.primary.prepare_store([key], ctx)
         if out is None:
-            self.counters["promotion_allocation_failures"] += 1
+            self.metrics.promotion_allocation_failures.inc()
             return False
         pending = self._pending_promotions[tier_idx].setdefault(ctx.req_id, _PendingPromotion(ctx))
         pending.keys.extend(out.keys_to_store)
@@ -168,6 +262,7 @@ class TieringCoordinator:
                     is_promotion=True,
                     req_context=pending.ctx,
                 )
+                self._start_write(job.keys, pending.ctx.req_id, job.job_id)
                 futures.append(self._submit(idx, job))
             per_req.clear()
         return futures
@@ -179,14 +274,41 @@ class TieringCoordinator:
 
     def _submit(self, tier_idx: int, job: TransferJob) -> asyncio.Future[JobResult]:
         tier = self.tiers[tier_idx]
-        fut = tier.submit_load(job) if job.is_promotion else tier.submit_store(job)
+        label = self.metrics.tier_label(tier_idx)
+        if job.is_promotion:
+            fut = tier.submit_load(job)
+            self.metrics.active_promotion_jobs.labels(label).inc()
+        else:
+            fut = tier.submit_store(job)
+            self.metrics.active_cascade_jobs.labels(label).inc()
         self._jobs[job.job_id] = (job, tier_idx, fut)
+        fut.add_done_callback(self._signal_events)
         return fut
 
     # -- loads ---------------------------------------------------------------------------
     def prepare_load(self, keys: Collection[bytes], ctx: ReqContext) -> CPULoadStoreSpec:
-        """Pin ``keys`` in the primary tier (each was ``HIT`` this step); their slots in order."""
-        return self.primary.prepare_load(keys, ctx)
+        """Pin ``keys`` for a primary→GPU copy; their slots in order.
+
+        A pin taken by this request's ``lookup`` is taken over, not doubled.
+
+        Raises:
+            BlockUnavailableError: a key is not readable now; nothing was pinned.
+        """
+        state = self._req_state.get(ctx.req_id)
+        pins = state.lookup_pins if state is not None else set()
+        missing = [
+            k
+            for k in keys
+            if k not in pins and ((b := self.primary.get_block(k)) is None or b.ref_cnt < 0)
+        ]
+        if missing:
+            raise BlockUnavailableError(missing)
+        fresh = [k for k in keys if k not in pins]
+        for key in keys:
+            pins.discard(key)
+        if fresh:
+            self.primary.prepare_load(fresh, ctx)
+        return CPULoadStoreSpec([self.primary.get_block(k).block_id for k in keys])  # type: ignore[union-attr]
 
     def complete_load(self, keys: Collection[bytes], ctx: ReqContext) -> None:
         """Unpin ``keys`` after the primary→GPU copy."""
@@ -200,13 +322,30 @@ class TieringCoordinator:
 
     # -- stores and cascade ------------------------------------------------------------------
     def prepare_store(self, keys: Collection[bytes], ctx: ReqContext) -> PrepareStoreOutput | None:
-        """Allocate primary slots for a GPU→CPU store (spec §3.7); None when full."""
+        """Allocate primary slots for a GPU→CPU store (spec §3.7); None when full.
+
+        For a request with request-level tiers, keys already readable in the primary are sent
+        to those tiers now (one store job per tier); keys being written are skipped.
+        """
         self._poll()
         out = self.primary.prepare_store(keys, ctx)
         if out is None:
             return None
+        state = self._state(ctx)
         if out.keys_to_store:
-            self._state(ctx).pending_primary_stores += 1
+            state.pending_primary_stores += 1
+            self._start_write(out.keys_to_store, ctx.req_id, None)
+        if state.request_level_tiers:
+            new = set(out.keys_to_store)
+            ready = [
+                k
+                for k in keys
+                if k not in new and (b := self.primary.get_block(k)) is not None and b.ref_cnt >= 0
+            ]
+            if ready:
+                for idx in sorted(state.request_level_tiers):
+                    self.cascade(ready, ctx, idx)
+        self._signal_events()
         return out
 
     def complete_store(
@@ -215,16 +354,22 @@ class TieringCoordinator:
         """Finish a GPU→CPU store; on success cascade ``keys`` to every secondary tier.
 
         Each tier's store job pins the keys once (ref count = number of tiers) until the job is
-        observed finished. A failed store never cascades.
+        observed finished. A failed store never cascades. A report for a write that passed
+        ``pending_write_timeout_s`` is dropped (the key was already made a miss).
         """
+        keys = [k for k in keys if self._finish_write(k, None, ctx.req_id)]
         self.primary.complete_store(keys, ctx, success=success)
         if success and keys:
+            ready = [
+                k for k in keys if (b := self.primary.get_block(k)) is not None and b.ref_cnt >= 0
+            ]
             for idx in range(len(self.tiers)):
-                self.cascade(keys, ctx, idx)
+                self.cascade(ready, ctx, idx)
         state = self._req_state.get(ctx.req_id)
         if state is not None and state.pending_primary_stores > 0:
             state.pending_primary_stores -= 1
             self._maybe_finalize(state)
+        self._signal_events()
 
     def cascade(
         self, keys: Collection[bytes], ctx: ReqContext, tier_idx: int
@@ -248,23 +393,45 @@ class TieringCoordinator:
         for idx, tier in enumerate(self.tiers):
             if tier.on_new_request(ctx).policy is OffloadPolicy.REQUEST_LEVEL:
                 state.request_level_tiers.add(idx)
-        policy = (
-            OffloadPolicy.REQUEST_LEVEL if state.request_level_tiers else OffloadPolicy.BLOCK_LEVEL
-        )
-        return RequestOffloadingContext(policy)
+        if state.request_level_tiers:
+            return RequestOffloadingContext(OffloadPolicy.REQUEST_LEVEL)
+        return RequestOffloadingContext()
 
     def on_request_finished(self, ctx: ReqContext) -> None:
-        """No more submits for this request; tiers hear of it once its stores are done."""
+        """No more submits for this request: release its lookup pins; tiers hear of it once
+        its pending stores are done (spec §3.9). Also right for a cancelled request."""
         self.primary.on_request_finished(ctx)
         state = self._state(ctx)
+        self.release_lookup_pins(ctx)
         state.is_finished = True
         self._maybe_finalize(state)
+
+    def release_lookup_pins(self, ctx: ReqContext, keys: Collection[bytes] | None = None) -> None:
+        """Drop the pins ``lookup`` took for ``ctx``'s request (all, or those of ``keys``)."""
+        state = self._req_state.get(ctx.req_id)
+        if state is None or not state.lookup_pins:
+            return
+        pinned = state.lookup_pins
+        drop = [k for k in (pinned if keys is None else keys) if k in pinned]
+        if drop:
+            pinned.difference_update(drop)
+            self.primary.complete_load(drop, ctx)
+
+    def promotion_source(self, key: bytes) -> str | None:
+        """Name of the tier a queued or in-flight promotion of ``key`` reads from, or None."""
+        for idx, per_req in enumerate(self._pending_promotions):
+            if any(key in p.keys for p in per_req.values()):
+                return self.tiers[idx].name
+        for job, idx, _ in self._jobs.values():
+            if job.is_promotion and key in job.keys:
+                return self.tiers[idx].name
+        return None
 
     def _maybe_finalize(self, state: _RequestState) -> None:
         if state.is_finished and state.pending_primary_stores == 0:
             for tier in self.tiers:
                 tier.on_request_finished(state.ctx)
-            del self._req_state[state.ctx.req_id]
+            self._req_state.pop(state.ctx.req_id, None)
 
     # -- step ------------------------------------------------------------------------------
     def on_schedule_end(
@@ -289,8 +456,8 @@ class TieringCoordinator:
     def job_futures(
         self, *, promotions: bool | None = None, keys: Collection[bytes] | None = None
     ) -> list[asyncio.Future[JobResult]]:
-        """Futures of the jobs in flight: all, only promotions or only cascades (``promotions``),
-        optionally only those touching one of ``keys``."""
+        """Futures of the jobs in flight: all, only promotions or only cascades
+        (``promotions``), optionally only those moving one of ``keys``."""
         wanted = None if keys is None else set(keys)
         return [
             fut
@@ -299,10 +466,7 @@ class TieringCoordinator:
             and (wanted is None or not wanted.isdisjoint(job.keys))
         ]
 
-    def poll_now(self) -> None:
-        """Apply every finished job now, outside the once-per-step gate (asyncio callers)."""
-        self._poll(force=True)
-
+    # -- events and stats ---------------------------------------------------------------------
     def take_events(self) -> Iterator[OffloadingEvent]:
         """Primary events, then each tier's, in tier order (spec §3.8)."""
         events: list[OffloadingEvent] = list(self.primary.take_events())
@@ -310,10 +474,37 @@ class TieringCoordinator:
             events.extend(tier.take_events())
         return iter(events)
 
+    def _signal_events(self, _fut: Any = None) -> None:
+        if self._event_signal is not None:
+            self._event_signal.set()
+
+    async def events(self) -> AsyncIterator[OffloadingEvent]:
+        """The same event stream as :meth:`take_events`, as an async iterator that waits for
+        new events; ends after :meth:`shutdown`. Use one of the two, not both."""
+        self._event_signal = signal = asyncio.Event()
+        while True:
+            signal.clear()
+            for event in self.take_events():
+                yield event
+            if self._closed:
+                return
+            await signal.wait()
+
+    def get_stats(self) -> dict[str, float]:
+        """Flat metric values: ``"<metric>:<tier label>"`` → value (:mod:`kvcascade.metrics`)."""
+        out: dict[str, float] = {}
+        for metric in self.metrics.registry.collect():
+            for sample in metric.samples:
+                tier = sample.labels.get("tier")
+                out[sample.name + (f":{tier}" if tier else "")] = sample.value
+        return out
+
+    # -- reset and shutdown -----------------------------------------------------------------
     async def reset_cache(self) -> None:
         """Drain every tier, apply results, drop unsubmitted promotions, reset the primary.
 
-        Order of spec §3.9. Secondary tiers keep their data.
+        Order of spec §3.9. Secondary tiers keep their data; active requests stay known with no
+        pending stores and no pins.
         """
         for tier in self.tiers:
             await tier.drain()
@@ -322,10 +513,16 @@ class TieringCoordinator:
             per_req.clear()
         for state in list(self._req_state.values()):
             state.pending_primary_stores = 0
+            state.lookup_pins.clear()
             self._maybe_finalize(state)
+        self._writes.clear()
+        self._expired.clear()
         self.primary.reset_cache()
         self._polled_this_step = False
 
-    def tier_names(self) -> Iterable[str]:
-        """Names of the secondary tiers in cascade order."""
-        return (t.name for t in self.tiers)
+    def shutdown(self) -> None:
+        """Stop every tier actor (queued jobs fail, running ones finish); idempotent."""
+        self._closed = True
+        for tier in self.tiers:
+            tier.close()
+        self._signal_events()
