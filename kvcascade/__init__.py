@@ -9,6 +9,7 @@ After vLLM v1's ``kv_offload`` tiering. Public surface::
 
 from ._config import CascadeConfig
 from ._errors import (
+    BlockUnavailableError,
     ConfigError,
     CorruptBlockError,
     KVCascadeError,
@@ -35,6 +36,7 @@ from ._types import (
 )
 from .cascade import Cascade, LoadResult, PrefixLookup, StoreResult, open_cascade
 from .coordinator import TieringCoordinator
+from .metrics import TieringMetrics
 from .index.cpu import CPUOffloadingManager
 from .policies import BlockStatus, CachePolicy, register_cache_policy
 from .tiers.base import SecondaryTier
@@ -47,6 +49,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BlockIDsLoadStoreSpec",
+    "BlockUnavailableError",
     "BlockStatus",
     "CPULoadStoreSpec",
     "CPUOffloadingManager",
@@ -77,6 +80,7 @@ __all__ = [
     "StoreResult",
     "TierUnavailableError",
     "TieringCoordinator",
+    "TieringMetrics",
     "TraceError",
     "TransferError",
     "TransferJob",

@@ -25,7 +25,15 @@ _VLLM_KEYS = {
     "canonical_layout",
     "secondary_tiers",
 }
-_OWN_KEYS = {"cpu_blocks", "gpu_blocks", "block_bytes", "model_name", "cache_salt", "enable_events"}
+_OWN_KEYS = {
+    "cpu_blocks",
+    "gpu_blocks",
+    "block_bytes",
+    "model_name",
+    "cache_salt",
+    "enable_events",
+    "pending_write_timeout_s",
+}
 KNOWN_KEYS = frozenset(_VLLM_KEYS | _OWN_KEYS)
 
 
@@ -53,6 +61,8 @@ class CascadeConfig:
             cascade order; ``name`` (default: the type) must be unique.
         model_name, cache_salt: namespace identity of persistent tiers.
         enable_events: queue KV events for ``take_events``.
+        pending_write_timeout_s: seconds after which a primary write still in flight is failed
+            and its key becomes a miss (None: never; vLLM has no such deadline, #49829).
     """
 
     block_bytes: int = 4096
@@ -64,6 +74,7 @@ class CascadeConfig:
     model_name: str = "kvcascade-replay"
     cache_salt: str | None = None
     enable_events: bool = True
+    pending_write_timeout_s: float | None = 120.0
 
     def __post_init__(self) -> None:
         _positive_int("block_bytes", self.block_bytes)
@@ -76,6 +87,13 @@ class CascadeConfig:
             raise ConfigError(
                 "cpu_bytes_to_use must be specified (bytes of CPU DRAM for the primary tier), "
                 "or cpu_blocks"
+            )
+        timeout = self.pending_write_timeout_s
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
+        ):
+            raise ConfigError(
+                f"pending_write_timeout_s must be > 0 seconds or null, got {timeout!r}"
             )
         if not isinstance(self.secondary_tiers, list):
             raise ConfigError(f"secondary_tiers must be a list, got {self.secondary_tiers!r}")

@@ -107,7 +107,9 @@ class Cascade:
         except BaseException:
             self._release()
             raise
-        self.coordinator = TieringCoordinator(self.primary, self.tiers)
+        self.coordinator = TieringCoordinator(
+            self.primary, self.tiers, pending_write_timeout_s=config.pending_write_timeout_s
+        )
         self._store_waits: dict[bytes, asyncio.Future[None]] = {}
         self.counters: collections.Counter[str] = collections.Counter()
 

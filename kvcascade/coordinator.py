@@ -47,6 +47,7 @@ from ._types import (
 )
 from .index.cpu import CPUOffloadingManager
 from .metrics import TieringMetrics
+from .policies.base import BlockStatus
 from .tiers.base import SecondaryTier
 
 log = logging.getLogger(__name__)
@@ -105,8 +106,8 @@ class TieringCoordinator:
         self._req_state: dict[str, _RequestState] = {}
         # key → (monotonic start, req_id, job_id or None) of primary writes in flight.
         self._writes: dict[bytes, tuple[float, str, int | None]] = {}
-        # Expired writes whose writer has not reported yet: key → (req_id, job_id, slot).
-        self._expired: dict[bytes, tuple[str, int | None, int]] = {}
+        # Expired writes whose writer has not reported yet: key → (req_id, job_id, block).
+        self._expired: dict[bytes, tuple[str, int | None, BlockStatus]] = {}
         self._event_signal: asyncio.Event | None = None
         self._closed = False
 
@@ -190,9 +191,9 @@ class TieringCoordinator:
         late = [k for k, (start, _, _) in self._writes.items() if start < limit]
         for key in late:
             _, req_id, job_id = self._writes.pop(key)
-            slot = self.primary.quarantine_write(key)
-            if slot is not None:
-                self._expired[key] = (req_id, job_id, slot)
+            block = self.primary.quarantine_write(key)
+            if block is not None:
+                self._expired[key] = (req_id, job_id, block)
                 self.metrics.expired_writes.inc()
                 log.warning("a write into the primary tier passed its deadline; key is now a miss")
 

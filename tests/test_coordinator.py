@@ -188,3 +188,115 @@ async def test_cascade_api_round_trip_through_memory_tier() -> None:
         assert cascade.device.kv[6].tolist() == [0] * 64
         assert cascade.device.kv[7].tolist() == [1] * 64
         cascade.finish_request(reader)
+
+
+async def test_stalled_write_expires_and_late_report_cannot_land() -> None:
+    """Issue #4 / spec §10.2: a write still HIT_PENDING after pending_write_timeout_s is failed
+    (its key becomes a miss); its slot stays quarantined until the late writer reports, and the
+    late report neither revives the key nor disturbs a newer write of the same key."""
+    async with tiering(num_blocks=2, num_tiers=0) as (coord, _host, _tiers):
+        coord.pending_write_timeout_s = 0.05
+        stalled, fresh = kc.ReqContext("stalled"), kc.ReqContext("fresh")
+        out = coord.prepare_store([key(1)], stalled)
+        assert coord.lookup(key(1), fresh) is R.HIT_PENDING
+        await asyncio.sleep(0.1)
+        coord.on_schedule_end()  # next step: the poll expires the write
+        assert coord.lookup(key(1), fresh) is R.MISS
+        assert coord.primary.num_free == 1  # the stalled slot is quarantined, not free
+        retry = coord.prepare_store([key(1)], fresh)  # a new writer of the same key
+        assert retry.store_spec.block_ids.tolist() != out.store_spec.block_ids.tolist()
+        coord.complete_store([key(1)], stalled)  # the late report is dropped
+        assert coord.lookup(key(1), fresh) is R.HIT_PENDING
+        assert coord.primary.num_free == 1  # the quarantined slot came back
+        coord.complete_store([key(1)], fresh)
+        assert coord.lookup(key(1), fresh) is R.HIT
+        assert coord.metrics.value("expired_writes") == 1
+
+
+async def test_lookup_pin_protects_block_until_prepare_load() -> None:
+    """Issue #4: a block found by lookup cannot be evicted by another request's store before
+    prepare_load; prepare_load of a block that is gone raises BlockUnavailableError."""
+    async with tiering(num_blocks=2, num_tiers=0) as (coord, host, _tiers):
+        writer, reader = kc.ReqContext("w"), kc.ReqContext("r")
+        store(coord, writer, [key(1), key(2)], host)
+        assert coord.lookup(key(1), reader) is R.HIT  # pins key 1 for the reader
+        out = coord.prepare_store([key(3)], writer)
+        assert out.evicted_keys == [key(2)]  # key 1 is protected by the reader's pin
+        spec = coord.prepare_load([key(1)], reader)
+        assert coord.primary.get_block(key(1)).ref_cnt == 1  # the lookup pin was taken over
+        assert bytes(host.row(int(spec.block_ids[0]))) == bytes([1]) * 64
+        coord.complete_load([key(1)], reader)
+        try:
+            coord.prepare_load([key(2)], reader)
+        except kc.BlockUnavailableError as exc:
+            assert exc.keys == [key(2)]
+        else:
+            raise AssertionError("prepare_load of an evicted key must raise")
+        coord.on_request_finished(reader)
+        assert coord.primary.get_block(key(1)).ref_cnt == 0
+
+
+async def test_finished_request_releases_lookup_pins() -> None:
+    """Issue #4: lookup pins of a request that never loads are released when it finishes."""
+    async with tiering(num_blocks=1, num_tiers=0) as (coord, host, _tiers):
+        ctx = kc.ReqContext("a")
+        store(coord, ctx, [key(1)], host)
+        other = kc.ReqContext("b")
+        assert coord.lookup(key(1), other) is R.HIT
+        assert coord.prepare_store([key(2)], ctx) is None  # the only block is pinned
+        coord.on_request_finished(other)
+        assert coord.prepare_store([key(2)], ctx).evicted_keys == [key(1)]
+
+
+async def test_metrics_are_exported_per_tier() -> None:
+    """Issue #4 item 7: vLLM-shaped tiering metrics under kvcascade_* names, per tier label."""
+    async with tiering(num_blocks=4, num_tiers=1) as (coord, host, _tiers):
+        ctx = kc.ReqContext("a")
+        store(coord, ctx, [key(1), key(2)], host)
+        await settle(coord)
+        coord.poll_now()
+        coord.lookup(key(1), ctx)
+        m = coord.metrics
+        assert m.value("write_bytes", 0) == 128
+        assert m.value("block_hits", None) == 1
+        assert m.value("active_cascade_jobs", 0) == 0
+        stats = coord.get_stats()
+        assert stats["kvcascade_write_bytes_total:1:mem0"] == 128
+
+
+async def test_events_async_iterator_sees_stores_in_order() -> None:
+    """Issue #4 item 7: the event stream as an async iterator."""
+    config = kc.CascadeConfig(block_bytes=64, gpu_blocks=4, cpu_blocks=1,
+                              secondary_tiers=[{"type": "memory"}])
+    async with kc.open_cascade(config) as cascade:
+        seen: list[tuple[str, bool]] = []
+
+        async def consume() -> None:
+            async for event in cascade.events():
+                seen.append((event.tier, event.removed))
+                if len(seen) == 4:
+                    return
+
+        consumer = asyncio.create_task(consume())
+        await asyncio.sleep(0)
+        ctx = kc.ReqContext("a")
+        await cascade.store([key(1)], ctx, [0])
+        await cascade.wait_cascades()
+        await cascade.store([key(2)], ctx, [1])  # evicts key 1 from the primary
+        await asyncio.wait_for(consumer, 5)
+        assert seen == [("cpu", False), ("memory", False), ("cpu", True), ("cpu", False)]
+
+
+async def test_cancelled_load_releases_its_pins() -> None:
+    """Issue #4: cancelling a task awaiting a load releases its pins (after the copy ends)."""
+    config = kc.CascadeConfig(block_bytes=64, gpu_blocks=4, cpu_blocks=2)
+    async with kc.open_cascade(config) as cascade:
+        ctx = kc.ReqContext("a")
+        await cascade.store([key(1)], ctx, [0])
+        found = await cascade.lookup_prefix([key(1)], ctx)
+        task = asyncio.create_task(cascade.load(found.keys, ctx, [3]))
+        await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        cascade.finish_request(ctx)
+        assert cascade.primary.get_block(key(1)).ref_cnt == 0

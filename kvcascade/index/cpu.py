@@ -320,6 +320,24 @@ class CPUOffloadingManager:
         if stored and self._events is not None:
             self._events.append(OffloadingEvent(stored, Medium.CPU, removed=False))
 
+    def quarantine_write(self, key: bytes) -> BlockStatus | None:
+        """Give up on the in-flight write of ``key``: the key is forgotten (a miss from now on)
+        but its slot is *not* freed, because the late writer may still write into it.
+
+        Returns the quarantined block (hand it to :meth:`release_quarantined` once the writer
+        reported), or None when ``key`` has no write in flight.
+        """
+        block = self._get(key)
+        if block is None or block.ref_cnt != -1:
+            return None
+        self._policy.remove(key)
+        self.num_write_pending -= 1
+        return block
+
+    def release_quarantined(self, blocks: Collection[BlockStatus]) -> None:
+        """Return slots of :meth:`quarantine_write` to the free list (their writers are done)."""
+        self._free_list.extend(blocks)
+
     # -- lifecycle -------------------------------------------------------------------------
     def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
         """First sight of a request: the primary tier always answers BLOCK_LEVEL."""
