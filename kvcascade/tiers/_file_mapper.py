@@ -60,7 +60,7 @@ class FileMapper:
         self.digest = hashlib.sha256(blob.encode()).hexdigest()[:12]
         self.rank = rank if identity.get("parallel_agnostic", True) is False else 0
         self.base_name = f"{identity['model_name'].replace('/', '_')}_{self.digest}"
-        self.namespace = f"{self.base_name}_r{rank}"
+        self.namespace = f"{self.base_name}_r{self.rank}"
 
     def with_salt(self, cache_salt: str) -> FileMapper:
         """The same namespace with ``cache_salt`` (a tenant salt) folded into the identity."""

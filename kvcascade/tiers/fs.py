@@ -402,8 +402,16 @@ class FileSystemTier(SecondaryTier):
                 fd = os.open(tmp, flags, 0o600)
             try:
                 encode_header(key, payload, header)
-                if os.writev(fd, [header, row]) != size:
-                    raise OSError(errno.EIO, f"short write to {tmp}")
+                done = os.writev(fd, [header, row])
+                while done < size:  # a short write: go on, so the real error (ENOSPC) shows
+                    rest = (
+                        [header[done:], row] if done < HEADER_BYTES
+                        else [row[done - HEADER_BYTES :]]
+                    )
+                    written = os.writev(fd, rest)
+                    if not written:
+                        raise OSError(errno.EIO, f"short write to {tmp}")
+                    done += written
             finally:
                 os.close(fd)
             os.replace(tmp, path)

@@ -1,0 +1,837 @@
+"""The fs tier (issue #5): vLLM's FileMapper and fs-tier scenarios (spec §9.6, §9.11) plus
+capacity, integrity, restart reuse, deadlines and real faults (kill -9, ENOSPC, a stalled FIFO,
+concurrent writers), all on real files through the tier's public API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import hashlib
+import itertools
+import json
+import os
+import random
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvcascade as kc
+from kvcascade import LookupResult as R
+from kvcascade.tiers._file_mapper import FORMAT_VERSION, FileMapper, default_identity
+from kvcascade.tiers.fs import (
+    HEADER_BYTES,
+    FileSystemTier,
+    check_block,
+    file_size,
+    fs_tier_from_config,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+BLOCK = 5000  # not a multiple of 4096: exercises the padded payload
+_job_ids = itertools.count()
+
+
+def key(i: int, group: int = 0) -> bytes:
+    return kc.make_offload_key(hashlib.sha256(str(i).encode()).digest()[:16], group)
+
+
+def pattern(i: int, n: int = BLOCK) -> bytes:
+    return random.Random(i).randbytes(n)
+
+
+def mapper(**fields: Any) -> FileMapper:
+    return FileMapper(default_identity(**fields))
+
+
+def make_tier(root: Path, host: kc.HostBuffer, **kw: Any) -> FileSystemTier:
+    fields = kw.pop("fields", {})
+    return FileSystemTier(host, root, mapper(**fields), **kw)
+
+
+@contextlib.asynccontextmanager
+async def running(*tiers: kc.SecondaryTier) -> AsyncIterator[None]:
+    """Run the tiers' actors in a task group (as ``open_cascade`` does); drain and stop on exit."""
+    async with asyncio.TaskGroup() as group:
+        for tier in tiers:
+            started = asyncio.Event()
+            group.create_task(tier.run(started.set))
+            await started.wait()
+        try:
+            yield
+        finally:
+            for tier in tiers:
+                await tier.drain()
+                tier.close()
+
+
+@pytest.fixture
+def host() -> Iterator[kc.HostBuffer]:
+    buf = kc.HostBuffer(16, BLOCK)
+    yield buf
+    buf.close()
+
+
+def job(keys: list[bytes], slots: list[int], promotion: bool) -> kc.TransferJob:
+    return kc.TransferJob(next(_job_ids), keys, np.asarray(slots, dtype=np.int64), promotion)
+
+
+async def store(
+    tier: FileSystemTier, host: kc.HostBuffer, ids: list[int], slots: list[int] | None = None
+) -> kc.JobResult:
+    slots = slots if slots is not None else list(range(len(ids)))
+    for i, slot in zip(ids, slots, strict=True):
+        host.row(slot)[:] = pattern(i, host.block_bytes)
+    return await tier.submit_store(job([key(i) for i in ids], slots, False))
+
+
+async def load(tier: FileSystemTier, ids: list[int], slots: list[int]) -> kc.JobResult:
+    return await tier.submit_load(job([key(i) for i in ids], slots, True))
+
+
+async def lookups(tier: FileSystemTier, keys: list[bytes], ctx: kc.ReqContext) -> list[R]:
+    """The async-lookup cycle (spec §3.12): RETRY, flush at schedule end, then the verdicts."""
+    first = [tier.lookup(k, ctx) for k in keys]
+    if R.RETRY in first:
+        tier.on_schedule_end(kc.ScheduleEndContext())
+        await tier._lookup.wait_probes()
+    return [tier.lookup(k, ctx) for k in keys]
+
+
+def files(root: Path, suffix: str) -> list[Path]:
+    return sorted(p for p in root.rglob(f"*{suffix}") if p.is_file() or p.is_fifo())
+
+
+# -- FileMapper (spec §9.6) -----------------------------------------------------------------
+def test_exact_relative_path_for_known_identity() -> None:
+    """§9.6 115/117: ``<base>_r<rank>/<hhh>/<hh>_g<g>/<hex>.bin`` and ``<base>/config.json``."""
+    ident = default_identity(
+        "meta-llama/Llama-3.1-8B", "bfloat16", 16, blocks_per_chunk=4, tp_size=2
+    )
+    m = FileMapper(ident, rank=1)
+    k = kc.make_offload_key(bytes.fromhex("abcdef0123456789"), 3)
+    assert (
+        m.relative_path(k)
+        == "meta-llama_Llama-3.1-8B_b6e719c0eb68_r1/abc/de_g3/abcdef0123456789.bin"
+    )
+    assert m.config_relative_path() == "meta-llama_Llama-3.1-8B_b6e719c0eb68/config.json"
+    blob = json.dumps(ident, sort_keys=True, separators=(",", ":")).encode()
+    assert hashlib.sha256(blob).hexdigest()[:12] == "b6e719c0eb68"
+
+
+def test_run_config_fields() -> None:
+    """§9.6 116: the run config is exactly the identity (vLLM's fields + kvcascade's)."""
+    m = mapper(model_name="m", dtype="float16", tokens_per_block=16)
+    assert m.run_config() == {
+        "model_name": "m",
+        "dtype": "float16",
+        "tokens_per_hash": 16,
+        "blocks_per_file": 1,
+        "tp_size": 1,
+        "pp_size": 1,
+        "pcp_size": 1,
+        "dcp_size": 1,
+        "kv_cache_groups": [{"tokens_per_block": 16, "layer_names": []}],
+        "inference_engine": "kvcascade",
+        "kv_layout": "NHD",
+        "format_version": FORMAT_VERSION,
+        "parallel_agnostic": False,
+    }
+
+
+def test_hybrid_identity_uses_resolved_tokens_per_hash() -> None:
+    """§9.6 118: heterogeneous groups record the resolved tokens_per_hash and per-group sizes."""
+    ident = default_identity(
+        "m", "bfloat16", [16, 64], tokens_per_hash=4, layer_names=[["a"], ["b"]]
+    )
+    assert ident["tokens_per_hash"] == 4
+    assert ident["kv_cache_groups"] == [
+        {"tokens_per_block": 16, "layer_names": ["a"]},
+        {"tokens_per_block": 64, "layer_names": ["b"]},
+    ]
+    with pytest.raises(kc.ConfigError, match="tokens_per_hash"):
+        default_identity("m", "bfloat16", [16, 64])
+
+
+@pytest.mark.parametrize(
+    ("opt_in", "agnostic", "replicated", "collapsed"),
+    [
+        (True, True, False, True),
+        (True, False, False, False),
+        (False, True, False, False),
+        (True, False, True, True),
+        (False, False, True, False),
+    ],
+)
+def test_parallel_agnostic_collapse(
+    opt_in: bool, agnostic: bool, replicated: bool, collapsed: bool
+) -> None:
+    """§9.6 119–121, 124–126: collapse only with the caller's opt-in and a config that allows it:
+    sizes 1, rank 0, no ``parallel_agnostic`` key; otherwise tp and rank kept, key False."""
+    ident = default_identity(
+        "m",
+        "bfloat16",
+        16,
+        tp_size=2,
+        parallel_agnostic=opt_in,
+        config_parallelism_agnostic=agnostic,
+        config_replicated=replicated,
+    )
+    m = FileMapper(ident, rank=1)
+    assert (ident["tp_size"], m.rank, "parallel_agnostic" in ident) == (
+        (1, 0, False) if collapsed else (2, 1, True)
+    )
+    assert ident.get("replicated_layout") is (True if opt_in and replicated else None)
+
+
+def test_namespaces_of_collapse_reasons_and_layouts_differ() -> None:
+    """§9.6 122, 123, 127, 128: collapsed vs specific, agnostic vs replicated, canonical layout
+    all give different base paths; replicated TP2 and TP4 share one (and one run config)."""
+
+    def base(**kw: Any) -> str:
+        return mapper(model_name="m", dtype="bfloat16", tokens_per_block=16, **kw).base_name
+
+    specific = base(tp_size=2)
+    agnostic = base(tp_size=2, parallel_agnostic=True, config_parallelism_agnostic=True)
+    replicated = base(tp_size=2, parallel_agnostic=True, config_replicated=True)
+    canonical = base(tp_size=2, canonical_layout=True)
+    assert len({specific, agnostic, replicated, canonical}) == 4
+    assert replicated == base(tp_size=4, parallel_agnostic=True, config_replicated=True)
+    assert (
+        mapper(model_name="m", dtype="bfloat16", canonical_layout=True).identity["canonical_format"]
+        == "v1-nhd"
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model_name": "other"},
+        {"model_revision": "abc123"},
+        {"dtype": "float16"},
+        {"tokens_per_block": 32},
+        {"tokens_per_hash": 8},
+        {"blocks_per_chunk": 2},
+        {"tp_size": 2},
+        {"pp_size": 2},
+        {"pcp_size": 2},
+        {"dcp_size": 2},
+        {"kv_layout": "HND"},
+        {"cache_salt": "tenant-b"},
+    ],
+)
+def test_every_namespace_field_changes_the_digest(change: dict[str, Any]) -> None:
+    """Issue #5 item 3: model id, revision, dtype, block geometry, parallelism, layout, salt."""
+    base = dict(model_name="m", dtype="bfloat16", tokens_per_block=16)
+    assert mapper(**base).digest != mapper(**{**base, **change}).digest
+
+
+def test_format_version_is_in_the_digest() -> None:
+    ident = default_identity("m", "bfloat16", 16)
+    assert FileMapper(ident).digest != FileMapper({**ident, "format_version": 1}).digest
+
+
+def test_unresolved_dtype_is_refused() -> None:
+    with pytest.raises(kc.ConfigError, match="auto"):
+        default_identity("m", "auto", 16)
+    with pytest.raises(kc.ConfigError, match="auto"):
+        FileMapper({"model_name": "m", "dtype": "auto"})
+
+
+# -- fs tier basics (spec §9.11) ------------------------------------------------------------
+async def test_lookup_empty_tier(tmp_path: Path, host: kc.HostBuffer) -> None:
+    """§9.11 196: unknown keys → RETRY, then MISS after the flush."""
+    tier = make_tier(tmp_path, host)
+    async with running(tier):
+        ctx = kc.ReqContext("r")
+        assert [tier.lookup(k, ctx) for k in (key(1), key(2))] == [R.RETRY, R.RETRY]
+        assert await lookups(tier, [key(1), key(2)], ctx) == [R.MISS, R.MISS]
+
+
+async def test_store_creates_file_at_mapped_path_then_roundtrip(
+    tmp_path: Path, host: kc.HostBuffer
+) -> None:
+    """§9.11 197, 198: one store result; the file at the mapped path; load fills the slots;
+    files stay after the load; lookups HIT; a stored event with the job's keys, none for loads
+    (216, 218)."""
+    tier = make_tier(tmp_path, host)
+    async with running(tier):
+        result = await store(tier, host, [1, 2])
+        assert result.success and result.transfer_size == 2 * BLOCK
+        assert tier.get_finished_jobs() == [result]
+        path = tmp_path / tier.mapper.relative_path(key(1))
+        assert path.is_file() and path.stat().st_size == file_size(BLOCK) == HEADER_BYTES + 8192
+        events = list(tier.take_events())
+        assert [(e.keys, e.medium, e.removed, e.tier) for e in events] == [
+            ([key(1), key(2)], kc.Medium.STORAGE, False, "fs")
+        ]
+        assert (await load(tier, [1, 2], [7, 9])).success
+        assert bytes(host.row(7)) == pattern(1) and bytes(host.row(9)) == pattern(2)
+        assert path.is_file() and list(tier.take_events()) == []
+        assert await lookups(tier, [key(1), key(2)], kc.ReqContext("r")) == [R.HIT, R.HIT]
+
+
+def test_invalid_root_raises_at_construction(tmp_path: Path, host: kc.HostBuffer) -> None:
+    """§9.11 199: a root that cannot be created → OSError from the constructor."""
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(OSError):
+        make_tier(tmp_path / "file" / "sub", host)
+
+
+async def test_failed_load_of_missing_file_and_partial_batch(
+    tmp_path: Path, host: kc.HostBuffer
+) -> None:
+    """§9.11 202, 204, 203: a never-stored key fails its job; a 3-key load whose middle key is
+    missing → one failed result listing the key before it; jobs are tracked independently."""
+    tier = make_tier(tmp_path, host)
+    async with running(tier):
+        first, second = await asyncio.gather(store(tier, host, [1]), store(tier, host, [3], [1]))
+        assert first.success and second.success and first.job_id != second.job_id
+        missing = await load(tier, [2], [5])
+        assert not missing.success and missing.successful_keys is None
+        partial = await load(tier, [1, 2, 3], [5, 6, 7])
+        assert not partial.success and partial.successful_keys == [key(1)]
+        assert tier.counters["load_failures"] == 2
+
+
+@pytest.mark.parametrize("batch", [0, 1, 2, 5])
+@pytest.mark.parametrize("o_direct", [True, False])
+async def test_store_load_data_integrity(
+    tmp_path: Path, host: kc.HostBuffer, batch: int, o_direct: bool
+) -> None:
+    """§9.11 206, 207: random data stored, then loaded into other slots, matches exactly, with
+    O_DIRECT (when the filesystem takes it) and forced buffered I/O."""
+    tier = make_tier(tmp_path, host, o_direct=o_direct)
+    assert tier.o_direct is (o_direct and tier.o_direct)
+    async with running(tier):
+        ids = list(range(100, 100 + batch))
+        assert (await store(tier, host, ids)).success
+        assert (await load(tier, ids, list(range(8, 8 + batch)))).success
+        assert [bytes(host.row(8 + n)) for n in range(batch)] == [pattern(i) for i in ids]
+
+
+async def test_out_of_bounds_block_id_fails_store_and_load(
+    tmp_path: Path, host: kc.HostBuffer
+) -> None:
+    """§9.11 211: a slot beyond the primary buffer fails the job (no exception escapes)."""
+    tier = make_tier(tmp_path, host)
+    async with running(tier):
+        assert not (await tier.submit_store(job([key(1)], [99], False))).success
+        assert not (await tier.submit_load(job([key(1)], [99], True))).success
+
+
+async def test_drain_waits_and_close_fails_queued_jobs(tmp_path: Path, host: kc.HostBuffer) -> None:
+    """§9.11 205, 208: drain returns once every job is done; closing fails queued jobs."""
+    tier = make_tier(tmp_path, host, io_threads=1)
+    async with running(tier):
+        futures = [tier.submit_store(job([key(i)], [i % 16], False)) for i in range(40)]
+        assert tier.has_pending_work()
+        await tier.drain()
+        assert all(f.done() and f.result().success for f in futures)
+        assert not tier.has_pending_work()
+        futures = [tier.submit_store(job([key(i)], [0], False)) for i in range(100, 140)]
+        tier.close()
+    results = [f.result() for f in futures]
+    assert any(r.error == "tier closed" for r in results)
+    assert {r.success for r in results if r.error != "tier closed"} <= {True}
+
+
+# -- corruption (spec §9.11 212–215) -------------------------------------------------------
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+async def test_corrupt_file_is_deleted_and_verdict_corrected(
+    tmp_path: Path, host: kc.HostBuffer, damage: str
+) -> None:
+    """§9.11 212: a good load keeps HIT and the file; a truncated file, or one with a byte
+    flipped (same length), fails the load as corrupt, is deleted, counted, and the same request
+    now sees MISS without a re-probe; a new request misses too."""
+    tier = make_tier(tmp_path, host)
+    async with running(tier):
+        assert (await store(tier, host, [1])).success
+        ctx = kc.ReqContext("r")
+        assert await lookups(tier, [key(1)], ctx) == [R.HIT]
+        assert (await load(tier, [1], [4])).success
+        path = tmp_path / tier.mapper.relative_path(key(1))
+        data = bytearray(path.read_bytes())
+        if damage == "truncate":
+            data = data[:-100]
+        else:
+            data[HEADER_BYTES + 1234] ^= 0x01
+        path.write_bytes(data)
+        failed = await load(tier, [1], [4])
+        assert not failed.success
+        assert ("short file" if damage == "truncate" else "checksum mismatch") in failed.error
+        assert not path.exists() and tier.counters["corrupt_blocks"] == 1
+        assert tier.lookup(key(1), ctx) is R.MISS
+        assert await lookups(tier, [key(1)], kc.ReqContext("new")) == [R.MISS]
+
+
+@pytest.mark.parametrize(("bad", "expected"), [(2, [0, 1]), (0, None)])
+async def test_batched_load_keeps_blocks_before_the_corrupt_one(
+    tmp_path: Path, host: kc.HostBuffer, bad: int, expected: list[int] | None
+) -> None:
+    """§9.11 213, 214: successful_keys = the keys before the first corrupt block (None if it is
+    the first); those stay HIT, the rest MISS."""
+    tier = make_tier(tmp_path, host)
+    async with running(tier):
+        assert (await store(tier, host, [0, 1, 2])).success
+        ctx = kc.ReqContext("r")
+        keys = [key(0), key(1), key(2)]
+        assert await lookups(tier, keys, ctx) == [R.HIT] * 3
+        path = tmp_path / tier.mapper.relative_path(key(bad))
+        path.write_bytes(path.read_bytes()[: HEADER_BYTES + 10])
+        result = await load(tier, [0, 1, 2], [5, 6, 7])
+        assert not result.success
+        assert result.successful_keys == (None if expected is None else [key(i) for i in expected])
+        done = len(expected or [])
+        assert [tier.lookup(k, ctx) for k in keys] == [R.HIT] * done + [R.MISS] * (3 - done)
+
+
+async def test_transient_load_failure_leaves_file(
+    tmp_path: Path, host: kc.HostBuffer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """§9.11 215: an open failing with ELOOP fails the job but leaves the file intact."""
+    tier = make_tier(tmp_path, host)
+    async with running(tier):
+        assert (await store(tier, host, [1])).success
+        path = tmp_path / tier.mapper.relative_path(key(1))
+        before = path.read_bytes()
+        real_open = os.open
+
+        def failing_open(p: Any, *args: Any, **kw: Any) -> int:
+            if str(p) == str(path):
+                raise OSError(errno.ELOOP, "too many symbolic links", str(p))
+            return real_open(p, *args, **kw)
+
+        monkeypatch.setattr(os, "open", failing_open)
+        assert not (await load(tier, [1], [3])).success
+        monkeypatch.undo()
+        assert path.read_bytes() == before and tier.counters["corrupt_blocks"] == 0
+
+
+async def test_failed_store_emits_no_event(tmp_path: Path, host: kc.HostBuffer) -> None:
+    """§9.11 219, 220: a partially failed store job (a plain file squats on its second block's
+    directory) emits nothing; the successful job after it emits one event with its keys."""
+    tier = make_tier(tmp_path, host)
+    async with running(tier):
+        squat = Path(tier.path_of(key(2))).parent
+        squat.parent.mkdir(parents=True)
+        squat.write_bytes(b"")
+        failed = await store(tier, host, [1, 2, 3])
+        assert not failed.success
+        ok = await store(tier, host, [4])
+        assert ok.success
+        assert [e.keys for e in tier.take_events()] == [[key(4)]]
+
+
+async def test_cross_tp_replicated_round_trip(tmp_path: Path, host: kc.HostBuffer) -> None:
+    """§9.11 224: a TP2 replicated writer and a TP4 replicated reader share the namespace and
+    the file path; the reader HITs and loads identical bytes."""
+    fields = dict(parallel_agnostic=True, config_replicated=True)
+    writer = FileSystemTier(
+        host, tmp_path, FileMapper(default_identity(tp_size=2, **fields), rank=1)
+    )
+    reader = FileSystemTier(
+        host, tmp_path, FileMapper(default_identity(tp_size=4, **fields), rank=3)
+    )
+    assert writer.path_of(key(1)) == reader.path_of(key(1)) and "_r0/" in writer.path_of(key(1))
+    async with running(writer, reader):
+        assert (await store(writer, host, [1])).success
+        assert await lookups(reader, [key(1)], kc.ReqContext("r")) == [R.HIT]
+        assert (await load(reader, [1], [10])).success and bytes(host.row(10)) == pattern(1)
+
+
+async def test_compatible_namespace_hits_incompatible_misses(
+    tmp_path: Path, host: kc.HostBuffer
+) -> None:
+    """Issue #5 item 3: a second tier with an equal identity (another instance, another salt
+    object) hits and loads; other salt, dtype or model miss; each wrote its own config.json."""
+    base = dict(model_name="org/model", dtype="bfloat16", tokens_per_block=16, cache_salt="t1")
+    writer = make_tier(tmp_path, host, fields=base)
+    same = make_tier(tmp_path, host, fields=dict(base))
+    others = [
+        make_tier(tmp_path, host, fields={**base, **c})
+        for c in ({"cache_salt": "t2"}, {"dtype": "float16"}, {"model_name": "org/other"})
+    ]
+    async with running(writer, same, *others):
+        assert (await store(writer, host, [1])).success
+        assert await same.contains([key(1)]) == [True]
+        assert (await load(same, [1], [11])).success and bytes(host.row(11)) == pattern(1)
+        for other in others:
+            assert await other.contains([key(1)]) == [False]
+            assert not (await load(other, [1], [12])).success
+    configs = files(tmp_path, "config.json")
+    assert len(configs) == 4
+    assert json.loads(configs[0].read_text()) in [t.mapper.identity for t in (writer, *others)]
+
+
+async def test_permissions(tmp_path: Path, host: kc.HostBuffer) -> None:
+    """Issue #5 item 8: every directory the tier creates is 0700, every file 0600."""
+    root = tmp_path / "tier"
+    tier = make_tier(root, host)
+    async with running(tier):
+        assert (await store(tier, host, [1, 2, 3])).success
+    paths = [root, *root.rglob("*")]
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in paths}
+    assert {m for p, m in zip(paths, modes.values(), strict=True) if p.is_dir()} == {0o700}
+    assert {stat.S_IMODE(p.stat().st_mode) for p in paths if p.is_file()} == {0o600}
+
+
+def test_config_keys(tmp_path: Path, host: kc.HostBuffer) -> None:
+    """Issue #5 config: known keys reach the tier; unknown keys and bad values → ConfigError."""
+    m = mapper()
+    tier = fs_tier_from_config(
+        host,
+        m,
+        {
+            "root_dir": str(tmp_path),
+            "max_bytes": 1 << 20,
+            "io_threads": 3,
+            "io_timeout_s": 2,
+            "max_queued_jobs": 5,
+            "cache_salt": "s",
+            "name": "disk",
+        },
+    )
+    assert (
+        tier.max_bytes,
+        tier.io_threads,
+        tier.io_timeout_s,
+        tier.max_queued_jobs,
+        tier.name,
+    ) == (1 << 20, 3, 2.0, 5, "disk")
+    assert tier.mapper.identity["cache_salt"] == "s" and tier.mapper.digest != m.digest
+    with pytest.raises(kc.ConfigError, match="bogus"):
+        fs_tier_from_config(host, m, {"root_dir": str(tmp_path), "bogus": 1})
+    for bad in (
+        {},
+        {"root_dir": str(tmp_path), "max_bytes": 0},
+        {"root_dir": str(tmp_path), "io_threads": "4"},
+        {"root_dir": str(tmp_path), "io_timeout_s": -1},
+    ):
+        with pytest.raises(kc.ConfigError):
+            fs_tier_from_config(host, m, bad)
+
+
+# -- capacity --------------------------------------------------------------------------------
+async def test_lru_eviction_with_access_on_load_and_store_hit(
+    tmp_path: Path, host: kc.HostBuffer
+) -> None:
+    """Issue #5 item 4: max_bytes = 3 files; a load and a store hit refresh recency; the least
+    recently used files go, with removal events and the ``evictions`` counter."""
+    tier = make_tier(tmp_path, host, max_bytes=3 * file_size(BLOCK))
+    async with running(tier):
+        for i in (1, 2, 3):
+            assert (await store(tier, host, [i])).success
+        assert (await load(tier, [1], [8])).success  # 1 is now most recent: order 2, 3, 1
+        assert (await store(tier, host, [2])).success  # store hit: order 3, 1, 2
+        tier.take_events()
+        assert (await store(tier, host, [4])).success
+        assert (await store(tier, host, [5])).success
+        assert await tier.contains([key(i) for i in (1, 2, 3, 4, 5)]) == [
+            False,
+            True,
+            False,
+            True,
+            True,
+        ]
+        assert tier.counters["evictions"] == 2 and tier.used_bytes == 3 * file_size(BLOCK)
+        events = [(e.keys, e.removed) for e in tier.take_events()]
+        assert events == [([key(3)], True), ([key(4)], False), ([key(1)], True), ([key(5)], False)]
+
+
+async def test_file_being_read_is_not_evicted_and_gone_file_counts(
+    tmp_path: Path, host: kc.HostBuffer
+) -> None:
+    """Issue #5 item 4: eviction skips a file being read (a load blocked on a FIFO in its place)
+    and takes the next one; a victim already deleted counts as removed; a load of an evicted
+    file is a clean failed job."""
+    tier = make_tier(tmp_path, host, max_bytes=3 * file_size(BLOCK), io_timeout_s=10)
+    async with running(tier):
+        for i in (1, 2, 3):
+            assert (await store(tier, host, [i])).success
+        fifo = Path(tier.path_of(key(1)))
+        fifo.unlink()
+        os.mkfifo(fifo, 0o600)
+        reading = tier.submit_load(job([key(1)], [9], True))
+        while not tier._readers:  # the load is inside open() on the FIFO
+            await asyncio.sleep(0.01)
+        Path(tier.path_of(key(2))).unlink()  # already gone when evicted
+        assert (await store(tier, host, [4])).success
+        assert fifo.is_fifo() and tier.counters["evictions"] == 1
+        assert (await store(tier, host, [5])).success  # evicts 3, still not 1
+        assert fifo.is_fifo() and tier.counters["evictions"] == 2
+        assert not (await load(tier, [3], [10])).success  # evicted: a clean miss
+        _unblock_fifo(fifo)
+        assert not (await reading).success
+
+
+def _unblock_fifo(fifo: Path) -> None:
+    """Open the FIFO's write end once so that a reader blocked in open() returns."""
+    with contextlib.suppress(OSError):
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+# -- restart ---------------------------------------------------------------------------------
+async def test_restart_reuses_files_rebuilds_size_and_removes_stale_temps(
+    tmp_path: Path, host: kc.HostBuffer
+) -> None:
+    """Issue #5 item 6: a new tier on the directory serves the old files; with max_bytes it
+    rebuilds the accounting (and trims to a smaller bound, oldest first); temp files of a dead
+    process are removed, a fresh one of a live process is kept."""
+    first = make_tier(tmp_path, host, max_bytes=10 * file_size(BLOCK))
+    async with running(first):
+        for i in range(4):
+            assert (await store(first, host, [i])).success
+            os.utime(first.path_of(key(i)), (1000 + i, 1000 + i))
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    leaf = Path(first.path_of(key(0))).parent
+    stale = leaf / f"{key(0)[:-4].hex()}.bin_{dead}_1.tmp"
+    live = leaf / f"{key(0)[:-4].hex()}.bin_{os.getpid()}_2.tmp"
+    stale.write_bytes(b"partial")
+    live.write_bytes(b"partial")
+    second = make_tier(tmp_path, host, max_bytes=3 * file_size(BLOCK))
+    async with running(second):
+        assert not stale.exists() and live.exists()
+        assert second.used_bytes == 3 * file_size(BLOCK) and second.counters["evictions"] == 1
+        assert await second.contains([key(i) for i in range(4)]) == [False, True, True, True]
+        assert (await load(second, [3], [4])).success and bytes(host.row(4)) == pattern(3)
+
+
+# -- deadlines and back-pressure --------------------------------------------------------------
+async def test_stalled_reader_fails_at_deadline_and_others_finish(
+    tmp_path: Path, host: kc.HostBuffer
+) -> None:
+    """Issue #5 item 7: a load stuck in open() on a FIFO fails at its deadline while another
+    load finishes on the other thread; the stuck thread is abandoned and replaced, so both
+    threads serve again afterwards."""
+    tier = make_tier(tmp_path, host, io_threads=2, io_timeout_s=1.0)
+    async with running(tier):
+        assert (await store(tier, host, [1, 2])).success
+        fifo = Path(tier.path_of(key(9)))
+        fifo.parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(fifo, 0o600)
+        start = time.monotonic()
+        stuck = tier.submit_load(job([key(9)], [5], True))
+        assert (await load(tier, [1, 2], [6, 7])).success
+        result = await stuck
+        assert 0.9 < time.monotonic() - start < 3.0
+        assert not result.success and "deadline" in result.error
+        assert tier.counters["timeouts"] == 1 and tier.counters["stuck_threads"] == 1
+        again = await asyncio.gather(load(tier, [1], [6]), load(tier, [2], [7]))
+        assert all(r.success for r in again) and bytes(host.row(7)) == pattern(2)
+        _unblock_fifo(fifo)
+        while tier.counters["stuck_threads"]:
+            await asyncio.sleep(0.01)
+
+
+async def test_full_queue_refuses_stores_with_a_failed_result(
+    tmp_path: Path, host: kc.HostBuffer
+) -> None:
+    """Issue #5 item 7: with the only thread blocked and max_queued_jobs = 2, a third waiting
+    store is refused at once (failed result, counted, visible to get_finished_jobs); loads are
+    still admitted; a job waiting past its deadline fails."""
+    tier = make_tier(tmp_path, host, io_threads=1, io_timeout_s=1.5, max_queued_jobs=2)
+    async with running(tier):
+        fifo = Path(tier.path_of(key(9)))
+        fifo.parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(fifo, 0o600)
+        stuck = tier.submit_load(job([key(9)], [5], True))
+        queued = [tier.submit_store(job([key(i)], [i], False)) for i in (1, 2)]
+        refused = tier.submit_store(job([key(3)], [3], False))
+        assert refused.done() and not refused.result().success
+        assert "queue full" in refused.result().error and tier.counters["store_rejected"] == 1
+        assert refused.result() in tier.get_finished_jobs()
+        admitted = tier.submit_load(job([key(1)], [6], True))
+        assert not admitted.done()
+        results = await asyncio.gather(stuck, *queued, admitted)
+        assert not results[0].success
+        _unblock_fifo(fifo)
+        await tier.drain()
+
+
+async def test_single_thread_alternates_between_loads_and_stores(
+    tmp_path: Path, host: kc.HostBuffer
+) -> None:
+    """Spec §4.4 (no starvation): with both queues full, one thread alternates; stores are not
+    starved by a stream of loads."""
+    tier = make_tier(tmp_path, host, io_threads=1, io_timeout_s=10)
+    async with running(tier):
+        assert (await store(tier, host, [1])).success
+        fifo = Path(tier.path_of(key(9)))
+        fifo.parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(fifo, 0o600)
+        order: list[str] = []
+        blocker = tier.submit_load(job([key(9)], [5], True))
+        futures = []
+        for i in range(3):
+            for kind, fut in (
+                ("S", tier.submit_store(job([key(10 + i)], [i], False))),
+                ("L", tier.submit_load(job([key(1)], [8], True))),
+            ):
+                fut.add_done_callback(lambda _f, kind=kind: order.append(kind))
+                futures.append(fut)
+        _unblock_fifo(fifo)
+        await blocker
+        await asyncio.gather(*futures)
+        assert order == ["S", "L"] * 3
+
+
+# -- real faults -----------------------------------------------------------------------------
+_WRITER = textwrap.dedent("""
+    import asyncio, hashlib, random, sys
+    import numpy as np
+    import kvcascade as kc
+    from kvcascade.tiers._file_mapper import FileMapper, default_identity
+    from kvcascade.tiers.fs import FileSystemTier
+
+    def key(i):
+        return kc.make_offload_key(hashlib.sha256(str(i).encode()).digest()[:16], 0)
+
+    async def main():
+        host = kc.HostBuffer(10, {block})
+        tier = FileSystemTier(host, sys.argv[1], FileMapper(default_identity()), io_threads=4)
+        async with asyncio.TaskGroup() as group:
+            started = asyncio.Event()
+            group.create_task(tier.run(started.set))
+            await started.wait()
+            for j in range(100):
+                ids = list(range(10 * j, 10 * j + 10))
+                for slot, i in enumerate(ids):
+                    host.row(slot)[:] = random.Random(i).randbytes({block})
+                keys = [key(i) for i in ids]
+                await tier.submit_store(kc.TransferJob(j, keys, np.arange(10), False))
+                print(j, flush=True)
+            tier.close()
+    asyncio.run(main())
+""")
+
+
+async def test_kill_9_while_writing_1000_blocks(tmp_path: Path) -> None:
+    """Issue #5 tests: SIGKILL a process in the middle of writing 1,000 blocks; a fresh tier on
+    the directory removes the temp files, and every hit loads exactly the stored bytes."""
+    block = 256 * 1024
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER.format(block=block), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    assert proc.stdout is not None
+    for _ in range(30):
+        assert proc.stdout.readline(), "writer died early"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc.stdout.close()
+    host = kc.HostBuffer(4, block)
+    try:
+        tier = FileSystemTier(host, tmp_path, mapper())
+        async with running(tier):
+            assert files(tmp_path, ".tmp") == []
+            found = await tier.contains([key(i) for i in range(1000)])
+            hits = [i for i, f in enumerate(found) if f]
+            assert 300 <= len(hits) < 1000
+            for i in hits:
+                result = await tier.submit_load(job([key(i)], [0], True))
+                assert result.success, result.error
+                assert bytes(host.row(0)) == pattern(i, block)
+            assert tier.counters["corrupt_blocks"] == 0
+    finally:
+        host.close()
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    path.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs (needs root): {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+async def test_enospc_fails_cleanly_and_loads_keep_working(
+    tmp_path: Path, host: kc.HostBuffer
+) -> None:
+    """Issue #5 tests: stores into a full filesystem fail cleanly (failed job, no temp or
+    partial file), and the tier keeps serving loads of what it stored."""
+    with small_tmpfs(tmp_path / "mnt", "128k") as root:
+        tier = make_tier(root, host)
+        async with running(tier):
+            results = [await store(tier, host, [i], [i % 4]) for i in range(20)]
+            ok = [i for i, r in enumerate(results) if r.success]
+            assert ok and len(ok) < 20 and all(not r.success for r in results[len(ok) :])
+            assert "No space left" in results[-1].error
+            assert files(root, ".tmp") == []
+            assert {p.stat().st_size for p in files(root, ".bin")} == {file_size(BLOCK)}
+            assert (await load(tier, ok, list(range(4, 4 + len(ok))))).success
+            assert [bytes(host.row(4 + n)) for n in range(len(ok))] == [pattern(i) for i in ok]
+
+
+async def test_concurrent_writers_of_the_same_keys(tmp_path: Path) -> None:
+    """Issue #5 tests: two tiers on one directory store the same 1 MiB blocks at once while a
+    reader polls the files: both succeed, one file per key, no temp left, and the reader only
+    ever sees no file or the whole, valid file (fs atomicity)."""
+    block = 1 << 20
+    hosts = [kc.HostBuffer(8, block) for _ in range(2)]
+    tiers = [FileSystemTier(h, tmp_path, mapper()) for h in hosts]
+    paths = [tiers[0].path_of(key(i)) for i in range(8)]
+    seen: list[str] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            for i, p in enumerate(paths):
+                try:
+                    data = Path(p).read_bytes()
+                except FileNotFoundError:
+                    continue
+                view = memoryview(data)
+                assert len(data) == file_size(block), f"partial file {len(data)}"
+                check_block(
+                    key(i), view[:HEADER_BYTES], view[HEADER_BYTES : HEADER_BYTES + block], p
+                )
+                seen.append(p)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        async with running(*tiers):
+            for h in hosts:
+                for slot in range(8):
+                    h.row(slot)[:] = pattern(slot, block)
+            results = await asyncio.gather(
+                *[
+                    t.submit_store(job([key(i) for i in range(8)], list(range(8)), False))
+                    for t in tiers
+                ]
+            )
+            assert all(r.success for r in results)
+    finally:
+        stop.set()
+        thread.join()
+        for h in hosts:
+            h.close()
+    assert len(files(tmp_path, ".bin")) == 8 and files(tmp_path, ".tmp") == []
+    assert seen
