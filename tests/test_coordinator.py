@@ -117,7 +117,7 @@ async def test_promotion_from_secondary_is_byte_exact() -> None:
 
 async def test_failed_promotion_keeps_only_successful_blocks() -> None:
     """§9.7 140: a promotion failing at its 2nd key completes the 1st and frees the rest."""
-    async with tiering(num_blocks=4, num_tiers=1) as (coord, host, tiers):
+    async with tiering(num_blocks=4, num_tiers=1) as (coord, _host, tiers):
         ctx = kc.ReqContext("a")
         tiers[0].blocks[key(1)] = b"\x01" * 64
         tiers[0].blocks[key(3)] = b"\x03" * 64

@@ -58,7 +58,7 @@ def test_missing_and_unknown_type_raise(ctx: TierContext) -> None:
     an error that lists the known types."""
     with pytest.raises(ValueError, match="must include 'type'"):
         create_secondary_tier({"root_dir": "/x"}, ctx)
-    with pytest.raises(ValueError, match="Unknown secondary tier type 'tape'.*memory"):
+    with pytest.raises(ValueError, match=r"Unknown secondary tier type 'tape'.*memory"):
         create_secondary_tier({"type": "tape"}, ctx)
     with pytest.raises(kc.ConfigError, match="tape"):
         kc.CascadeConfig(cpu_blocks=1, secondary_tiers=[{"type": "tape"}])
