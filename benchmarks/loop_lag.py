@@ -1,0 +1,80 @@
+"""Event-loop lag while ~1 GiB of fs-tier traffic is in flight (issue #4).
+
+Lag = how late a callback scheduled with ``call_later(1 ms)`` runs. A sampler measures it
+continuously while the cascade stores N blocks GPU → CPU → fs and then promotes them back
+fs → CPU → GPU. Prints p50 / p99 / max lag (ms) for each phase and the traffic's GB/s.
+
+    python benchmarks/loop_lag.py [--root /dev/shm] [--block-mib 1] [--blocks 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+
+import numpy as np
+
+import kvcascade as kc
+
+
+async def sample_lag(samples: list[float], stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        due = loop.time() + 0.001
+        fired = loop.create_future()
+        loop.call_at(due, fired.set_result, None)
+        await fired
+        samples.append(loop.time() - due)
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values) * 1e3, q)) if values else float("nan")
+
+
+async def main(root: str, block_bytes: int, blocks: int, batch: int) -> None:
+    tiers = [{"type": "fs", "root_dir": root, "io_threads": 4}]
+    config = kc.CascadeConfig(
+        block_bytes=block_bytes, gpu_blocks=batch, cpu_blocks=batch * 2, secondary_tiers=tiers
+    )
+    keys = [kc.make_offload_key(i.to_bytes(8, "big"), 0) for i in range(blocks)]
+    async with kc.open_cascade(config) as cascade:
+        await cascade.store(keys[:1], kc.ReqContext("warm"), [0])  # builds/loads the kernels
+        await cascade.wait_cascades()
+        for phase in ("store", "load"):
+            samples: list[float] = []
+            stop = asyncio.Event()
+            sampler = asyncio.create_task(sample_lag(samples, stop))
+            start = time.perf_counter()
+            for i in range(1 if phase == "store" else 0, blocks, batch):
+                ctx = kc.ReqContext(f"{phase}-{i}")
+                part = keys[i : i + batch]
+                gpu = list(range(len(part)))
+                if phase == "store":
+                    await cascade.store(part, ctx, gpu)
+                else:
+                    found = await cascade.lookup_prefix(part, ctx)
+                    await cascade.load(found.keys, ctx, gpu[: found.num_hits])
+                cascade.finish_request(ctx)
+            await cascade.wait_cascades()
+            seconds = time.perf_counter() - start
+            stop.set()
+            await sampler
+            gb = blocks * block_bytes / 1e9
+            print(
+                f"{phase:>5}: {gb:.2f} GB in {seconds:.2f} s ({gb / seconds:.2f} GB/s through the "
+                f"fs tier); loop lag ms p50 {pct(samples, 50):.3f}  p99 {pct(samples, 99):.3f}  "
+                f"max {pct(samples, 100):.3f}  ({len(samples)} samples)"
+            )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", default=None, help="fs tier directory (default: a temp dir)")
+    parser.add_argument("--block-mib", type=float, default=1.0)
+    parser.add_argument("--blocks", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=64)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.root) as tmp:
+        asyncio.run(main(tmp, int(args.block_mib * (1 << 20)), args.blocks, args.batch))
