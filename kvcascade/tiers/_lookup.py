@@ -59,7 +59,11 @@ class AsyncLookup:
         if not self._batch:
             return
         batch, self._batch = self._batch, []
-        task = asyncio.get_running_loop().create_task(self._probe(batch))
+        loop = self._tier._loop
+        if loop is None:  # the tier's actor is not running: nothing can be probed
+            self.mark_miss(batch)
+            return
+        task = loop.create_task(self._probe(batch))
         self._probes.add(task)
         task.add_done_callback(self._probes.discard)
 
