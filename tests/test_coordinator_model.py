@@ -76,8 +76,11 @@ class CoordinatorModel(RuleBasedStateMachine):
     def run(self, coro: object) -> object:
         return self.loop.run_until_complete(coro)  # type: ignore[arg-type]
 
-    @rule(req=st.sampled_from(REQS), keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3),
-          ok=st.booleans())
+    @rule(
+        req=st.sampled_from(REQS),
+        keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3),
+        ok=st.booleans(),
+    )
     def store(self, req: str, keys: list[bytes], ok: bool) -> None:
         ctx = self.ctx[req]
         out = self.coord.prepare_store(keys, ctx)
@@ -167,5 +170,7 @@ class CoordinatorModel(RuleBasedStateMachine):
         self.host.close()
 
 
-CoordinatorModel.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+CoordinatorModel.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=30, deadline=None
+)
 TestCoordinatorModel = CoordinatorModel.TestCase
