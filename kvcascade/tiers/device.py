@@ -1,25 +1,48 @@
 """The device tier: the engine's KV cache and the GPU↔CPU copies (an asyncio actor).
 
-The KV cache is an int8 tensor ``(num_blocks, page_bytes)`` on CUDA when available, else on the
-CPU standing in for device memory. Two FIFO mailboxes — stores (GPU→CPU) and loads (CPU→GPU) —
-each served by one worker thread, so transfers of one direction complete in submission order.
-Copies go through :func:`kvcascade.ops.swap_blocks` into the primary tier's host buffer; the
-device tier never talks to a secondary tier.
+The KV cache is an int8 tensor ``(num_gpu_blocks, gpu_page_bytes)`` on CUDA when available, else
+on the CPU standing in for device memory. A primary-tier chunk holds ``blocks_per_chunk`` (k)
+GPU blocks; a transfer pairs GPU blocks with CPU sub-blocks by the copy plan of spec §5.3
+(:func:`kvcascade.ops.plan_chunk_copies`) and moves them with one batched copy
+(:func:`kvcascade.ops.batch_copy`). The device tier never talks to a secondary tier.
+
+Two mailboxes, one per direction (stores GPU→CPU, loads CPU→GPU); transfers of one direction
+complete in submission order (spec §5.4).
+
+* **CUDA**: each direction has its own side stream. A transfer is enqueued from the event-loop
+  thread (a non-blocking launch) after making the side stream wait on the compute stream (a store
+  must not read KV still being written; a load must not race pending writes into its blocks);
+  the same stream orders it after the previous transfer of that direction. An end event
+  (``blocking=True``: waiting sleeps, no spinning) is handed to the **event bridge**: one waiter
+  thread per device that synchronises events in submission order and resolves each transfer's
+  future with ``call_soon_threadsafe``. No thread per transfer, no polling of the loop.
+* **CPU** (no GPU): the copy itself is the work, so each direction runs on one worker thread
+  (FIFO); the awaitable is the same.
+
+A failed or cancelled transfer resolves with ``DeviceTransfer(success=False)``; nothing asserts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
 import torch
 
 from .._errors import ConfigError, TierUnavailableError
-from ..ops import swap_blocks
+from ..ops import batch_copy
+from ..ops.plan import plan_chunk_copies, plan_descriptors
 from .cpu import HostBuffer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,26 +55,99 @@ class DeviceTransfer:
     error: str | None = None
 
 
+class EventBridge:
+    """Turns CUDA events into asyncio futures: one daemon waiter thread per device.
+
+    :meth:`wait` queues ``(event, future)``; the thread calls ``event.synchronize()`` (events made
+    with ``blocking=True`` sleep in the driver) in submission order and resolves the future on
+    its loop. Completion latency is one thread wake-up.
+    """
+
+    def __init__(self, name: str = "kvcascade-cuda-events") -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, asyncio.Future[None]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def wait(self, event: Any) -> asyncio.Future[None]:
+        """A future resolved once ``event`` (a ``torch.cuda.Event`` or anything with
+        ``synchronize()``) has completed; its exception if synchronising failed."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.put((event, fut))
+        return fut
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            event, fut = item
+            error: BaseException | None = None
+            try:
+                event.synchronize()
+            except BaseException as exc:  # delivered to the awaiting task
+                error = exc
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting
+                fut.get_loop().call_soon_threadsafe(_resolve, fut, error)
+
+    def close(self) -> None:
+        """Stop the waiter after the events already queued; idempotent."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+
+def _resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)
+
+
 class DeviceTier:
     """Owner of the device KV cache and its transfers to and from the primary tier.
 
     Args:
         num_blocks: GPU blocks in the cache (``>= 1``).
-        host: the primary tier's buffer (its ``block_bytes`` is the page size).
+        host: the primary tier's buffer; a chunk (row) holds ``blocks_per_chunk`` GPU pages.
+        blocks_per_chunk: GPU blocks per primary-tier chunk (k ``>= 1``, spec §1.8); the GPU page
+            is ``host.block_bytes // k`` bytes.
         device: torch device; default CUDA when available, else CPU.
 
     Raises:
-        ConfigError: ``num_blocks < 1``.
+        ConfigError: ``num_blocks < 1``, or ``blocks_per_chunk`` does not divide the block size.
     """
 
-    def __init__(self, num_blocks: int, host: HostBuffer, device: str | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        host: HostBuffer,
+        blocks_per_chunk: int = 1,
+        device: str | None = None,
+    ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ConfigError(f"gpu num_blocks must be an int >= 1, got {num_blocks!r}")
+        if blocks_per_chunk < 1 or host.block_bytes % blocks_per_chunk:
+            raise ConfigError(
+                f"blocks_per_chunk={blocks_per_chunk} must be >= 1 and divide the block size "
+                f"({host.block_bytes} bytes)"
+            )
         self.host = host
+        self.blocks_per_chunk = blocks_per_chunk
+        self.page_bytes = host.block_bytes // blocks_per_chunk
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.kv = torch.zeros((num_blocks, host.block_bytes), dtype=torch.int8, device=self.device)
-        self._store_pool = concurrent.futures.ThreadPoolExecutor(1, "kvcascade-d2h")
-        self._load_pool = concurrent.futures.ThreadPoolExecutor(1, "kvcascade-h2d")
+        self.kv = torch.zeros((num_blocks, self.page_bytes), dtype=torch.int8, device=self.device)
+        self._cuda = self.device.type == "cuda"
+        if self._cuda:
+            self._streams = {d: torch.cuda.Stream(self.device) for d in ("store", "load")}
+            self._bridge: EventBridge | None = EventBridge()
+            self._pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+        else:
+            self._bridge = None
+            self._pools = {
+                d: concurrent.futures.ThreadPoolExecutor(1, f"kvcascade-{d}")
+                for d in ("store", "load")
+            }
         self._closed = False
         self.bytes_stored = 0
         self.bytes_loaded = 0
@@ -61,38 +157,81 @@ class DeviceTier:
         """GPU blocks in the cache."""
         return self.kv.shape[0]
 
-    async def store(self, gpu_ids: np.ndarray, cpu_slots: np.ndarray) -> DeviceTransfer:
-        """Copy GPU blocks ``gpu_ids[i]`` into primary slots ``cpu_slots[i]`` (GPU→CPU)."""
-        result = await self._run(self._store_pool, self.kv, self.host.tensor(), gpu_ids, cpu_slots)
-        self.bytes_stored += result.bytes
-        return result
+    async def store(self, gpu_ids: Sequence[int], cpu_slots: Sequence[int]) -> DeviceTransfer:
+        """Copy GPU blocks ``gpu_ids[i]`` into primary chunks ``cpu_slots[i]`` (k = 1)."""
+        return await self.transfer("store", [len(gpu_ids)], [0], gpu_ids, cpu_slots)
 
-    async def load(self, cpu_slots: np.ndarray, gpu_ids: np.ndarray) -> DeviceTransfer:
-        """Copy primary slots ``cpu_slots[i]`` into GPU blocks ``gpu_ids[i]`` (CPU→GPU)."""
-        result = await self._run(self._load_pool, self.host.tensor(), self.kv, cpu_slots, gpu_ids)
-        self.bytes_loaded += result.bytes
-        return result
+    async def load(self, cpu_slots: Sequence[int], gpu_ids: Sequence[int]) -> DeviceTransfer:
+        """Copy primary chunks ``cpu_slots[i]`` into GPU blocks ``gpu_ids[i]`` (k = 1)."""
+        return await self.transfer("load", [len(gpu_ids)], [0], gpu_ids, cpu_slots)
 
-    async def _run(
+    async def transfer(
         self,
-        pool: concurrent.futures.ThreadPoolExecutor,
-        src: torch.Tensor,
-        dst: torch.Tensor,
-        src_ids: np.ndarray,
-        dst_ids: np.ndarray,
+        direction: str,
+        group_sizes: Sequence[int],
+        block_indices: Sequence[int],
+        gpu_ids: Sequence[int],
+        cpu_chunks: Sequence[int],
     ) -> DeviceTransfer:
+        """One GPU↔CPU transfer planned as spec §5.3 (``GPULoadStoreSpec`` fields + CPU chunks).
+
+        Args:
+            direction: ``"store"`` (GPU→CPU) or ``"load"`` (CPU→GPU).
+            group_sizes, block_indices, gpu_ids: as :class:`kvcascade.GPULoadStoreSpec`.
+            cpu_chunks: primary-tier chunk ids consumed in order.
+
+        Returns:
+            the outcome; a bad plan or a copy error gives ``success=False`` with the reason.
+
+        Raises:
+            TierUnavailableError: the tier is closed.
+            ValueError: ``direction`` is neither ``"store"`` nor ``"load"``.
+        """
+        if direction not in ("store", "load"):
+            raise ValueError(f"direction must be 'store' or 'load', got {direction!r}")
         if self._closed:
             raise TierUnavailableError("device tier is closed")
         start = time.perf_counter()
-        loop = asyncio.get_running_loop()
         try:
-            nbytes = await loop.run_in_executor(pool, swap_blocks, src, dst, src_ids, dst_ids)
+            plan = plan_chunk_copies(
+                group_sizes, block_indices, gpu_ids, cpu_chunks, self.blocks_per_chunk
+            )
+            descriptors = plan_descriptors(
+                plan, self.kv, self.host.tensor(), self.page_bytes, store=direction == "store"
+            )
+            if self._cuda:
+                nbytes = await self._cuda_copy(direction, descriptors)
+            else:
+                loop = asyncio.get_running_loop()
+                nbytes = await loop.run_in_executor(self._pools[direction], _copy, descriptors)
         except (RuntimeError, ValueError) as exc:
             return DeviceTransfer(False, error=f"{type(exc).__name__}: {exc}")
+        if direction == "store":
+            self.bytes_stored += nbytes
+        else:
+            self.bytes_loaded += nbytes
         return DeviceTransfer(True, nbytes, time.perf_counter() - start)
 
+    async def _cuda_copy(
+        self, direction: str, descriptors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    ) -> int:
+        assert self._bridge is not None
+        stream = self._streams[direction]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        nbytes = batch_copy(*descriptors, stream=stream, src_access_any=direction == "load")
+        event = torch.cuda.Event(blocking=True)
+        event.record(stream)
+        await self._bridge.wait(event)
+        return nbytes
+
     def close(self) -> None:
-        """Finish running copies and release the worker threads; idempotent."""
+        """Finish running copies, stop the worker threads and the event bridge; idempotent."""
         self._closed = True
-        self._store_pool.shutdown(wait=True)
-        self._load_pool.shutdown(wait=True)
+        for pool in self._pools.values():
+            pool.shutdown(wait=True)
+        if self._bridge is not None:
+            self._bridge.close()
+
+
+def _copy(descriptors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> int:
+    return batch_copy(*descriptors)

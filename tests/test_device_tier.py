@@ -1,0 +1,125 @@
+"""The device tier: chunked GPU↔CPU transfers (spec §5.3) and the CUDA event bridge (issue #6),
+on CPU tensors standing in for device memory."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import kvcascade as kc
+from kvcascade.tiers.device import DeviceTier, EventBridge
+
+PAGE = 64
+
+
+def fill(kv: torch.Tensor) -> None:
+    """GPU block b holds byte b+1 everywhere."""
+    kv[:] = (torch.arange(kv.shape[0], dtype=torch.int8) + 1)[:, None]
+
+
+async def test_chunked_load_follows_the_spec_example() -> None:
+    """§5.3 worked example: k=3, load, group block index 4, n=4, CPU chunks [7, 2] → GPU blocks
+    0..3 receive (chunk 7, pos 1), (7, 2), (2, 0), (2, 1)."""
+    host = kc.HostBuffer(8, 3 * PAGE)
+    device = DeviceTier(8, host, blocks_per_chunk=3, device="cpu")
+    rows = host.tensor()
+    for chunk in range(8):
+        for pos in range(3):
+            rows[chunk, pos * PAGE : (pos + 1) * PAGE] = chunk * 10 + pos
+    result = await device.transfer("load", [4], [4], [0, 1, 2, 3], [7, 2])
+    assert result.success and result.bytes == 4 * PAGE
+    assert [int(device.kv[b, 0]) for b in range(4)] == [71, 72, 20, 21]
+    assert int(device.kv[4].abs().sum()) == 0  # untouched
+    device.close()
+    host.close()
+
+
+async def test_chunked_store_round_trip_multi_group() -> None:
+    """Two groups (one empty), k=2, first block mid-chunk: store then load back byte-exact."""
+    host = kc.HostBuffer(6, 2 * PAGE)
+    device = DeviceTier(10, host, blocks_per_chunk=2, device="cpu")
+    fill(device.kv)
+    stored = await device.transfer("store", [3, 0, 2], [1, 0, 0], [4, 5, 6, 8, 9], [3, 0, 5])
+    assert stored.success and stored.bytes == 5 * PAGE
+    rows = host.tensor()
+    assert rows[3, PAGE:].unique().tolist() == [5]  # block 4 at chunk 3, pos 1
+    assert rows[0, :PAGE].unique().tolist() == [6]
+    assert rows[0, PAGE:].unique().tolist() == [7]
+    assert rows[5, :PAGE].unique().tolist() == [9] and rows[5, PAGE:].unique().tolist() == [10]
+    device.kv.zero_()
+    loaded = await device.transfer("load", [3, 0, 2], [1, 0, 0], [4, 5, 6, 8, 9], [3, 0, 5])
+    assert loaded.success
+    assert [int(device.kv[b, 0]) for b in (4, 5, 6, 8, 9)] == [5, 6, 7, 9, 10]
+    device.close()
+    host.close()
+
+
+async def test_bad_plan_fails_the_transfer_without_raising() -> None:
+    """Issue #6 item 7: a failed transfer resolves with a failure; nothing asserts."""
+    host = kc.HostBuffer(2, PAGE)
+    device = DeviceTier(2, host, device="cpu")
+    result = await device.store([0, 5], [0, 1])
+    assert not result.success and "ValueError" in (result.error or "")
+    assert device.bytes_stored == 0
+    device.close()
+    with pytest.raises(kc.TierUnavailableError):
+        await device.store([0], [0])
+    host.close()
+
+
+def test_blocks_per_chunk_must_divide_the_block() -> None:
+    host = kc.HostBuffer(1, 100)
+    with pytest.raises(kc.ConfigError, match="blocks_per_chunk=3"):
+        DeviceTier(1, host, blocks_per_chunk=3, device="cpu")
+    host.close()
+
+
+class ManualEvent:
+    """Stands in for a CUDA event: ``synchronize`` blocks until the test fires it."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self._done = threading.Event()
+        self.fail = fail
+
+    def fire(self) -> None:
+        self._done.set()
+
+    def synchronize(self) -> None:
+        assert self._done.wait(10)
+        if self.fail:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+async def test_event_bridge_resolves_in_order_without_blocking_the_loop() -> None:
+    """One waiter thread turns events into futures in submission order; the loop stays free
+    while events are pending, and a failed synchronise reaches the awaiting task."""
+    bridge = EventBridge()
+    events = [ManualEvent(), ManualEvent(), ManualEvent(fail=True)]
+    futures = [bridge.wait(e) for e in events]
+    await asyncio.sleep(0.01)  # the loop runs while nothing has completed
+    assert not any(f.done() for f in futures)
+    events[1].fire()
+    events[0].fire()
+    await asyncio.wait_for(futures[1], 5)
+    assert futures[0].done()
+    events[2].fire()
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        await asyncio.wait_for(futures[2], 5)
+    bridge.close()
+
+
+def test_device_store_matches_index_copy() -> None:
+    """The device path moves exactly what a plain indexed copy moves."""
+    host = kc.HostBuffer(16, PAGE)
+    device = DeviceTier(16, host, device="cpu")
+    device.kv[:] = torch.randint(-128, 127, device.kv.shape, dtype=torch.int8)
+    gpu, cpu = np.array([3, 9, 0, 15]), np.array([7, 1, 12, 4])
+    result = asyncio.run(device.store(gpu, cpu))
+    assert result.success
+    assert torch.equal(host.tensor()[cpu], device.kv[gpu])
+    device.close()
+    host.close()
