@@ -144,7 +144,8 @@ def test_corrupt_block_file_is_detected_and_recomputed(
     first = run_replay(trace[:50], config)
     assert first.corrupt_blocks == 0
     mapper = FileMapper(default_identity(block_bytes=256))
-    path = tmp_path / mapper.relative_path(block_key(trace[1].hash_ids[0]))
+    first_key = block_key(trace[1].hash_ids[0])
+    path = tmp_path / mapper.relative_path(first_key)
     data = bytearray(path.read_bytes())
     data[HEADER_BYTES + 17] ^= 0x01
     path.write_bytes(bytes(data))
@@ -154,7 +155,8 @@ def test_corrupt_block_file_is_detected_and_recomputed(
     assert second.mismatched_blocks == 0
     assert second.hit_blocks["fs"] == 0  # the corrupt first block ends the prefix
     repaired = path.read_bytes()  # recomputed and stored again
-    check_block(repaired[:HEADER_BYTES], memoryview(repaired[HEADER_BYTES:]), str(path))
+    payload = memoryview(repaired)[HEADER_BYTES : HEADER_BYTES + 256]
+    check_block(first_key, repaired[:HEADER_BYTES], payload, str(path))
 
 
 def test_json_report_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
