@@ -50,6 +50,7 @@ import json
 import logging
 import mmap
 import os
+import random
 import secrets
 import struct
 import threading
@@ -180,6 +181,7 @@ class FileSystemTier(SecondaryTier):
         self.max_bytes = max_bytes
         self.block_file_bytes = file_size(host.block_bytes)
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._prefix = os.path.join(self.root, "")
         self._write_config()
         self.data_dir = self.root / mapper.namespace
         self.data_dir.mkdir(mode=0o700, exist_ok=True)
@@ -193,6 +195,7 @@ class FileSystemTier(SecondaryTier):
         self._readers: collections.Counter[bytes] = collections.Counter()
         self._evicting: set[bytes] = set()
         self._buffers = threading.local()
+        self._pid = os.getpid()
 
     def _write_config(self) -> None:
         path = self.root / self.mapper.config_relative_path()
@@ -219,7 +222,7 @@ class FileSystemTier(SecondaryTier):
 
     def path_of(self, key: bytes) -> str:
         """Absolute path of the block file of ``key``."""
-        return os.path.join(self.root, self.mapper.relative_path(key))
+        return self._prefix + self.mapper.relative_path(key)
 
     def _rows(self, block_ids: Iterable[int]) -> list[memoryview]:
         # Whole aligned rows (payload + the row's padding) so that O_DIRECT I/O is aligned.
@@ -392,7 +395,7 @@ class FileSystemTier(SecondaryTier):
             raise OSError(errno.ENOSPC, f"block file of {size} bytes does not fit in max_bytes")
         payload = row[: self.host.block_bytes]
         header = self._header_buffer()
-        tmp = f"{path}_{os.getpid()}_{secrets.randbits(63)}.tmp"
+        tmp = f"{path}_{self._pid}_{random.getrandbits(63)}.tmp"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._flags
         try:
             try:
@@ -442,26 +445,28 @@ class FileSystemTier(SecondaryTier):
     def _load_one(self, key: bytes, path: str, row: memoryview) -> int:
         size = HEADER_BYTES + len(row)
         header = self._header_buffer()
-        with self._lock:
-            if key in self._evicting:
-                raise FileNotFoundError(errno.ENOENT, "evicted", path)
-            self._readers[key] += 1
+        tracked = self._index is not None  # readers matter only when files can be evicted
+        if tracked:
+            with self._lock:
+                if key in self._evicting:
+                    raise FileNotFoundError(errno.ENOENT, "evicted", path)
+                self._readers[key] += 1
         try:
             fd = os.open(path, os.O_RDONLY | self._flags)
             try:
                 if self._job_abandoned():  # e.g. the open blocked past the deadline
                     raise TimeoutError("job passed its deadline")
                 n = os.preadv(fd, [header, row], 0)
-                on_disk = os.fstat(fd).st_size
             finally:
                 os.close(fd)
         finally:
-            with self._lock:
-                self._readers[key] -= 1
-                if not self._readers[key]:
-                    del self._readers[key]
-        if n != size or on_disk != size:
-            raise CorruptBlockError(f"{path}: short file ({on_disk} bytes, expected {size})")
+            if tracked:
+                with self._lock:
+                    self._readers[key] -= 1
+                    if not self._readers[key]:
+                        del self._readers[key]
+        if n != size:  # header and checksum vouch for the bytes read; trailing bytes are ignored
+            raise CorruptBlockError(f"{path}: short file ({n} bytes read, expected {size})")
         payload = row[: self.host.block_bytes]
         check_block(key, header, payload, path)
         self._record(key, size, reserved=False)
