@@ -36,8 +36,8 @@ from ._types import (
 )
 from .cascade import Cascade, LoadResult, PrefixLookup, StoreResult, open_cascade
 from .coordinator import TieringCoordinator
-from .metrics import TieringMetrics
 from .index.cpu import CPUOffloadingManager
+from .metrics import TieringMetrics
 from .policies import BlockStatus, CachePolicy, register_cache_policy
 from .tiers.base import SecondaryTier
 from .tiers.cpu import HostBuffer
@@ -49,8 +49,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BlockIDsLoadStoreSpec",
-    "BlockUnavailableError",
     "BlockStatus",
+    "BlockUnavailableError",
     "CPULoadStoreSpec",
     "CPUOffloadingManager",
     "CachePolicy",

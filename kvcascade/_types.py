@@ -179,6 +179,11 @@ class JobResult:
     ``success=True`` means every key succeeded. On failure ``successful_keys`` lists the keys that
     did transfer (a subset of the job's keys), or is None when all keys share the job's fate.
     ``transfer_size`` is in bytes, ``transfer_time`` in seconds.
+
+    ``abandoned``: the job failed at its deadline while its I/O thread was still inside a call;
+    its primary rows may still be read or written by that thread, so they must stay out of use
+    until a later result for the same ``job_id`` with ``released=True`` arrives (sent when the
+    thread returns).
     """
 
     job_id: int
@@ -187,3 +192,5 @@ class JobResult:
     transfer_size: int = 0
     transfer_time: float = 0.0
     error: str | None = None
+    abandoned: bool = False
+    released: bool = False

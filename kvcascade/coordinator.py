@@ -108,6 +108,9 @@ class TieringCoordinator:
         self._writes: dict[bytes, tuple[float, str, int | None]] = {}
         # Expired writes whose writer has not reported yet: key → (req_id, job_id, block).
         self._expired: dict[bytes, tuple[str, int | None, BlockStatus]] = {}
+        # Jobs failed at their deadline whose thread has not returned:
+        # job_id → (keys still pinned, quarantined blocks), released when the thread returns.
+        self._abandoned: dict[int, tuple[list[bytes], list[BlockStatus]]] = {}
         self._event_signal: asyncio.Event | None = None
         self._closed = False
 
@@ -135,11 +138,17 @@ class TieringCoordinator:
         self._poll(force=True)
 
     def _apply(self, result: JobResult) -> None:
+        if result.released:
+            self._release_abandoned(result.job_id)
+            return
         entry = self._jobs.pop(result.job_id, None)
         if entry is None:
             return  # a job from before reset_cache
         job, tier_idx, _ = entry
         label = self.metrics.tier_label(tier_idx)
+        if result.abandoned:
+            self._abandon(job, label)
+            return
         if not job.is_promotion:
             self.metrics.active_cascade_jobs.labels(label).dec()
             self.primary.complete_load(job.keys)
@@ -161,6 +170,34 @@ class TieringCoordinator:
             self.metrics.promotion_job_failures.labels(label).inc()
         self.metrics.read_bytes.labels(label).inc(result.transfer_size)
         self.metrics.read_seconds.labels(label).observe(result.transfer_time)
+
+    def _abandon(self, job: TransferJob, label: str) -> None:
+        """A job failed at its deadline while its thread may still touch its primary rows: a
+        cascade keeps its read pins, a promotion's keys become misses with their slots
+        quarantined, until the tier reports that the thread returned."""
+        if job.is_promotion:
+            self.metrics.active_promotion_jobs.labels(label).dec()
+            self.metrics.promotion_job_failures.labels(label).inc()
+            blocks = [
+                block
+                for key in job.keys
+                if self._finish_write(key, job.job_id)
+                and (block := self.primary.quarantine_write(key)) is not None
+            ]
+            self._abandoned[job.job_id] = ([], blocks)
+        else:
+            self.metrics.active_cascade_jobs.labels(label).dec()
+            self.metrics.cascade_job_failures.labels(label).inc()
+            self._abandoned[job.job_id] = (list(job.keys), [])
+
+    def _release_abandoned(self, job_id: int) -> None:
+        entry = self._abandoned.pop(job_id, None)
+        if entry is not None:
+            keys, blocks = entry
+            if keys:
+                self.primary.complete_load(keys)
+            if blocks:
+                self.primary.release_quarantined(blocks)
 
     # -- pending-write deadline --------------------------------------------------------------
     def _start_write(self, keys: Sequence[bytes], req_id: str, job_id: int | None) -> None:
@@ -517,8 +554,13 @@ class TieringCoordinator:
             state.lookup_pins.clear()
             self._maybe_finalize(state)
         self._writes.clear()
-        self._expired.clear()
-        self.primary.reset_cache()
+        # Rows an abandoned thread or an expired writer may still touch stay out of use.
+        for job_id, (keys, blocks) in list(self._abandoned.items()):
+            pinned = [b for k in keys if (b := self.primary.get_block(k)) is not None]
+            self._abandoned[job_id] = ([], [*blocks, *pinned])
+        reserved = [b for _, blocks in self._abandoned.values() for b in blocks]
+        reserved += [block for _, _, block in self._expired.values()]
+        self.primary.reset_cache(reserved=reserved)
         self._polled_this_step = False
 
     def shutdown(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -266,8 +267,9 @@ async def test_metrics_are_exported_per_tier() -> None:
 
 async def test_events_async_iterator_sees_stores_in_order() -> None:
     """Issue #4 item 7: the event stream as an async iterator."""
-    config = kc.CascadeConfig(block_bytes=64, gpu_blocks=4, cpu_blocks=1,
-                              secondary_tiers=[{"type": "memory"}])
+    config = kc.CascadeConfig(
+        block_bytes=64, gpu_blocks=4, cpu_blocks=1, secondary_tiers=[{"type": "memory"}]
+    )
     async with kc.open_cascade(config) as cascade:
         seen: list[tuple[str, bool]] = []
 
@@ -300,3 +302,84 @@ async def test_cancelled_load_releases_its_pins() -> None:
         await asyncio.gather(task, return_exceptions=True)
         cascade.finish_request(ctx)
         assert cascade.primary.get_block(key(1)).ref_cnt == 0
+
+
+class StuckTier(kc.MemoryTier):
+    """A memory tier whose transfers block inside the copy until the test lets them go."""
+
+    def __init__(self, host: kc.HostBuffer) -> None:
+        super().__init__(host, name="stuck")
+        self.io_timeout_s = 0.05
+        self.gate = threading.Event()
+
+    def _load_blocks(self, keys, rows):  # type: ignore[no-untyped-def]
+        self.gate.wait(10)
+        return super()._load_blocks(keys, rows)
+
+    def _store_blocks(self, keys, rows):  # type: ignore[no-untyped-def]
+        self.gate.wait(10)
+        return super()._store_blocks(keys, rows)
+
+
+async def test_abandoned_promotion_keeps_its_slot_until_the_thread_returns() -> None:
+    """Issue #4/#5: a promotion failing at its tier deadline while its thread is still inside
+    the read makes the key a miss, but its primary slot is not reused until the thread returns
+    (a late read can never land in another key's slot)."""
+    host = kc.HostBuffer(2, 64)
+    primary = kc.CPUOffloadingManager(2)
+    tier = StuckTier(host)
+    tier.blocks[key(1)] = b"\x01" * 64
+    started = asyncio.Event()
+    actor = asyncio.create_task(tier.run(started.set))
+    await started.wait()
+    coord = kc.TieringCoordinator(primary, [tier])
+    ctx = kc.ReqContext("a")
+    assert coord.lookup(key(1), ctx, verdicts={0: True}) is R.HIT_PENDING
+    (future,) = coord.on_schedule_end()
+    result = await asyncio.wait_for(future, 5)
+    assert result.abandoned and not result.success
+    coord.poll_now()
+    assert coord.lookup(key(1), ctx, verdicts={0: False}) is R.MISS
+    assert primary.num_free == 1  # the slot the stuck read may still write stays out of use
+    await coord.reset_cache()  # the reset keeps it reserved too
+    assert primary.num_free == 1
+    tier.gate.set()  # the read returns late
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        coord.poll_now()
+        if primary.num_free == 2:
+            break
+    assert primary.num_free == 2
+    tier.close()
+    await actor
+    host.close()
+
+
+async def test_abandoned_cascade_keeps_its_read_pin() -> None:
+    """A cascade abandoned at its deadline keeps the primary block pinned (its thread may still
+    read it) until the thread returns."""
+    host = kc.HostBuffer(1, 64)
+    primary = kc.CPUOffloadingManager(1)
+    tier = StuckTier(host)
+    started = asyncio.Event()
+    actor = asyncio.create_task(tier.run(started.set))
+    await started.wait()
+    coord = kc.TieringCoordinator(primary, [tier])
+    ctx = kc.ReqContext("a")
+    out = coord.prepare_store([key(1)], ctx)
+    coord.complete_store(out.keys_to_store, ctx)
+    result = await asyncio.wait_for(coord.job_futures()[0], 5)
+    assert result.abandoned
+    coord.poll_now()
+    assert primary.get_block(key(1)).ref_cnt == 1
+    assert coord.prepare_store([key(2)], ctx) is None  # cannot evict the block being read
+    tier.gate.set()
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        coord.poll_now()
+        if primary.get_block(key(1)).ref_cnt == 0:
+            break
+    assert primary.get_block(key(1)).ref_cnt == 0
+    tier.close()
+    await actor
+    host.close()

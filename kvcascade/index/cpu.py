@@ -373,15 +373,23 @@ class CPUOffloadingManager:
             stats.read_usage = max(stats.usage - stats.write_usage, 0.0)
         return stats
 
-    def reset_cache(self) -> None:
+    def reset_cache(self, reserved: Collection[BlockStatus] = ()) -> None:
         """Forget every block and the policy's state, unconditionally (spec §2.3).
 
         The caller guarantees that no completion of a job prepared before the reset is applied
         afterwards. As in vLLM, queued events stay queued and no removal events are emitted for
-        the dropped blocks; ``total_evictions`` keeps counting.
+        the dropped blocks; ``total_evictions`` keeps counting. ``reserved`` blocks (slots a
+        stalled writer may still touch) stay out of use until :meth:`release_quarantined`;
+        with none, slots are handed out from 0 again.
         """
         self._policy.clear()
         self._free_list.clear()
         self._high_water = 0
         self.num_evictable = 0
         self.num_write_pending = 0
+        if reserved:
+            taken = {b.block_id for b in reserved}
+            self._high_water = self.num_blocks
+            self._free_list.extend(
+                BlockStatus(i) for i in range(self.num_blocks - 1, -1, -1) if i not in taken
+            )

@@ -66,8 +66,18 @@ class _Work:
     """One unit handed to an I/O thread: a transfer job, a probe, or a start-up task."""
 
     __slots__ = (
-        "abandoned", "args", "deadline", "finished", "fn", "fut", "is_load", "job", "replaced",
-        "slot", "started_at", "state",
+        "abandoned",
+        "args",
+        "deadline",
+        "finished",
+        "fn",
+        "fut",
+        "is_load",
+        "job",
+        "replaced",
+        "slot",
+        "started_at",
+        "state",
     )
 
     def __init__(
@@ -312,8 +322,12 @@ class SecondaryTier(ABC):
         return None
 
     def _enqueue(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], is_load: bool,
-        job: TransferJob | None = None, deadline: bool = True,
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        is_load: bool,
+        job: TransferJob | None = None,
+        deadline: bool = True,
     ) -> _Work:
         assert self._loop is not None and self._wake is not None
         work = _Work(fn, args, self._loop.create_future(), is_load, job)
@@ -345,13 +359,16 @@ class SecondaryTier(ABC):
                 self._release_slot(work.slot)
         elif work.job is not None:
             self._queued_jobs -= 1
-        self._fail(work, f"deadline of {self.io_timeout_s:g} s passed")
+        self._fail(work, f"deadline of {self.io_timeout_s:g} s passed", abandoned=work.abandoned)
 
     def _thread_returned(self, work: _Work) -> None:
-        """An abandoned thread's call returned (loop thread)."""
+        """An abandoned thread's call returned (loop thread): its job's primary rows are free
+        to reuse now, which a ``released`` result tells the coordinator."""
         self.counters["stuck_threads"] -= 1
         if not work.replaced:
             self._release_slot(work.slot)
+        if work.job is not None:
+            self._finished.append(JobResult(work.job.job_id, False, released=True))
 
     def _release_slot(self, slot: int) -> None:
         self._free_slots.append(slot)
@@ -377,8 +394,12 @@ class SecondaryTier(ABC):
         elif isinstance(error, TransferError):
             self.counters["load_failures" if job.is_promotion else "store_failures"] += 1
             result = JobResult(
-                job.job_id, False, successful_keys=error.succeeded or None, error=str(error),
-                transfer_size=len(error.succeeded) * self.host.block_bytes, transfer_time=elapsed,
+                job.job_id,
+                False,
+                successful_keys=error.succeeded or None,
+                error=str(error),
+                transfer_size=len(error.succeeded) * self.host.block_bytes,
+                transfer_time=elapsed,
             )
         else:
             self.counters["errors"] += 1
@@ -386,12 +407,13 @@ class SecondaryTier(ABC):
             result = JobResult(job.job_id, False, error=f"{type(error).__name__}: {error}")
         self._finish_job(job, work.fut, result)
 
-    def _fail(self, work: _Work, reason: str) -> None:
+    def _fail(self, work: _Work, reason: str, abandoned: bool = False) -> None:
         work.state = _DONE
         if work.deadline is not None:
             work.deadline.cancel()
         if work.job is not None:
-            self._finish_job(work.job, work.fut, JobResult(work.job.job_id, False, error=reason))
+            result = JobResult(work.job.job_id, False, error=reason, abandoned=abandoned)
+            self._finish_job(work.job, work.fut, result)
         elif not work.fut.done():
             work.fut.set_exception(TimeoutError(f"tier {self.name!r}: {reason}"))
 
@@ -437,9 +459,13 @@ class SecondaryTier(ABC):
         if not job.is_promotion and self._queued_jobs >= self.max_queued_jobs:
             self.counters["store_rejected"] += 1
             fut = self._loop.create_future()
-            self._finish_job(job, fut, JobResult(
-                job.job_id, False, error=f"queue full ({self.max_queued_jobs} jobs waiting)"
-            ))
+            self._finish_job(
+                job,
+                fut,
+                JobResult(
+                    job.job_id, False, error=f"queue full ({self.max_queued_jobs} jobs waiting)"
+                ),
+            )
             return fut
         try:
             rows = self._rows(job.block_ids)

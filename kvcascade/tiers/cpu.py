@@ -56,7 +56,7 @@ class HostBuffer:
 
     @property
     def memoryview(self) -> memoryview:
-        """The whole buffer as a flat writable ``memoryview`` of ``num_blocks × row_bytes`` bytes."""
+        """The whole buffer: a flat writable ``memoryview`` of ``num_blocks × row_bytes`` bytes."""
         return self._view
 
     def row(self, block_id: int) -> memoryview:
