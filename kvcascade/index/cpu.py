@@ -126,6 +126,9 @@ class CPUOffloadingManager:
         )
         self._get = self._policy.get
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        # One BlockStatus per slot, made up front so the hot path allocates no tracked objects
+        # (fewer garbage-collector passes); never-used slots are taken in increasing order.
+        self._slots = [BlockStatus(i) for i in range(num_blocks)]
         # Released slots as their BlockStatus objects (recycled on reuse), LIFO.
         self._free_list: list[BlockStatus] = []
         self._high_water = 0
@@ -282,8 +285,13 @@ class CPUOffloadingManager:
         fresh = self.num_blocks - start
         if fresh >= n:
             self._high_water = start + n
-            return list(map(BlockStatus, range(start, start + n)))
-        blocks = list(map(BlockStatus, range(start, self.num_blocks)))
+            blocks = self._slots[start : start + n]
+            for block in blocks:
+                block.ref_cnt = -1
+            return blocks
+        blocks = self._slots[start:]
+        for block in blocks:
+            block.ref_cnt = -1
         self._high_water = self.num_blocks
         pop = self._free_list.pop
         for _ in range(n - fresh):
@@ -391,5 +399,5 @@ class CPUOffloadingManager:
             taken = {b.block_id for b in reserved}
             self._high_water = self.num_blocks
             self._free_list.extend(
-                BlockStatus(i) for i in range(self.num_blocks - 1, -1, -1) if i not in taken
+                self._slots[i] for i in range(self.num_blocks - 1, -1, -1) if i not in taken
             )
