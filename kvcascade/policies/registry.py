@@ -16,6 +16,7 @@ from .base import CachePolicy
 _REGISTRY: dict[str, str | type[CachePolicy]] = {
     "lru": "kvcascade.policies.lru:LRUCachePolicy",
     "arc": "kvcascade.policies.arc:ARCCachePolicy",
+    "turn_aware": "kvcascade.policies.turn_aware:TurnAwareCachePolicy",
 }
 
 

@@ -1,0 +1,107 @@
+"""Session hints: what the application knows about a request's future (issue #9).
+
+A :class:`SessionHint` says whether the conversation a request belongs to will come back
+(``continues``), optionally for how long its KV is worth keeping (``ttl_s``) and how much it
+matters relative to other traffic (``priority``). Hints only steer eviction: a wrong hint costs
+hit rate, never correctness.
+
+Two ways to attach one:
+
+* Python API: ``ctx.set_state(SessionHint(continues=False))`` on the request's
+  :class:`~kvcascade.ReqContext`.
+* vLLM connector: the request's ``kv_transfer_params`` carries
+  ``{"kvcascade_hint": {"continues": true, "ttl_s": 600, "priority": 1}}``; :func:`hint_of`
+  parses it on first use and caches the result on the context.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ._types import ReqContext
+
+logger = logging.getLogger(__name__)
+
+#: Key of the hint object inside a request's ``kv_transfer_params``.
+HINT_PARAM = "kvcascade_hint"
+
+#: Priorities are clamped to this range (a policy keeps one class per priority level).
+MAX_PRIORITY = 3
+
+
+@dataclass(frozen=True)
+class SessionHint:
+    """Per-request hint.
+
+    Attributes:
+        continues: True — the session will send another request extending this prompt; False —
+            it will not (closed chat, finished agent loop); None — unknown (the default).
+        ttl_s: seconds after the request's last use beyond which its blocks are worth nothing
+            (None: no limit). Must be > 0.
+        priority: relative importance, an int clamped to ``[-MAX_PRIORITY, MAX_PRIORITY]``;
+            blocks of a higher priority are evicted only after every lower-priority block that
+            can be evicted. Default 0.
+
+    Raises:
+        ValueError: ``continues`` not a bool or None, ``ttl_s`` not a positive finite number,
+            ``priority`` not an int.
+    """
+
+    continues: bool | None = None
+    ttl_s: float | None = None
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if self.continues is not None and not isinstance(self.continues, bool):
+            raise ValueError(f"continues must be true, false or null, got {self.continues!r}")
+        if self.ttl_s is not None and (
+            isinstance(self.ttl_s, bool)
+            or not isinstance(self.ttl_s, int | float)
+            or not math.isfinite(self.ttl_s)
+            or self.ttl_s <= 0
+        ):
+            raise ValueError(f"ttl_s must be a positive number of seconds, got {self.ttl_s!r}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an int, got {self.priority!r}")
+        object.__setattr__(
+            self, "priority", max(-MAX_PRIORITY, min(MAX_PRIORITY, self.priority))
+        )
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any] | None) -> SessionHint | None:
+        """The hint in ``params[HINT_PARAM]`` (a request's ``kv_transfer_params``), or None.
+
+        A malformed hint (not an object, unknown field, bad value) is logged as a warning and
+        ignored: the request then behaves as unhinted.
+        """
+        if not params or HINT_PARAM not in params:
+            return None
+        raw = params[HINT_PARAM]
+        if not isinstance(raw, dict):
+            logger.warning("ignoring %s: expected an object, got %r", HINT_PARAM, raw)
+            return None
+        unknown = set(raw) - {"continues", "ttl_s", "priority"}
+        if unknown:
+            logger.warning("ignoring %s: unknown fields %s", HINT_PARAM, sorted(unknown))
+            return None
+        try:
+            return cls(**raw)
+        except (TypeError, ValueError) as exc:
+            logger.warning("ignoring %s: %s", HINT_PARAM, exc)
+            return None
+
+
+def hint_of(ctx: ReqContext | None) -> SessionHint | None:
+    """The request's hint: the one set with ``ctx.set_state``, else the one parsed from
+    ``ctx.kv_transfer_params`` (then cached on ``ctx``); None without a context or hint."""
+    if ctx is None:
+        return None
+    hint = ctx.get_state(SessionHint)
+    if hint is None and ctx.kv_transfer_params:
+        hint = SessionHint.from_params(ctx.kv_transfer_params)
+        if hint is not None:
+            ctx.set_state(hint)
+    return hint
