@@ -68,6 +68,36 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--config", help="JSON object (or @file) of kv_connector_extra_config keys")
     rp.add_argument("--json", dest="json_path", help="write the report as JSON to this path")
     rp.add_argument("--quiet", action="store_true", help="no progress bar")
+    rp.add_argument(
+        "--compare-policies",
+        metavar="P1,P2,…",
+        help="instead of the byte-exact replay, compare eviction policies (bookkeeping only) "
+        "against Belady's OPT, e.g. lru,arc,turn_aware; see docs/policies.md",
+    )
+    rp.add_argument(
+        "--capacities",
+        default="0.01,0.05,0.1",
+        help="with --compare-policies: cache sizes as fractions of the trace's unique blocks "
+        "(default 0.01,0.05,0.1)",
+    )
+    rp.add_argument(
+        "--hints",
+        default="none",
+        help="with --compare-policies: 'none' or 'oracle[:noise]' — continues-hints read off "
+        "the trace, a fraction 'noise' of them flipped (seeded by --seed)",
+    )
+    rp.add_argument(
+        "--no-free-rules",
+        action="store_true",
+        help="with --compare-policies: store partial last blocks and skip the closing touch "
+        "(issue #9's baseline model)",
+    )
+    rp.add_argument("--seed", type=_nonneg_int, default=0, help="seed of --hints noise")
+    rp.add_argument(
+        "--no-data",
+        action="store_true",
+        help="skip KV bytes (--compare-policies never moves bytes; accepted for clarity)",
+    )
     return parser
 
 
@@ -164,11 +194,45 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from ._compare import compare, format_comparison
+
+    try:
+        fractions = [float(x) for x in args.capacities.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(
+            f"--capacities must be comma-separated numbers, got {args.capacities!r}"
+        ) from None
+    policies = [p.strip() for p in args.compare_policies.split(",") if p.strip()]
+    if not policies or not fractions:
+        raise ConfigError("--compare-policies and --capacities need at least one entry each")
+    trace = read_trace(args.trace or bundled_trace(), limit=args.requests)
+    try:
+        result = compare(
+            trace, policies, fractions, not args.no_free_rules, args.hints, args.seed
+        )
+    except ValueError as exc:
+        if isinstance(exc, KVCascadeError):
+            raise
+        raise ConfigError(str(exc)) from exc
+    print(format_comparison(result))
+    if args.json_path:
+        rows = [
+            {"policy": name, "fraction": fraction, "capacity": run.capacity,
+             "hits": run.hits, "instances": run.instances, "hit_ratio": run.hit_ratio}
+            for (name, fraction), run in result.runs.items()
+        ]
+        Path(args.json_path).write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvcascade`` command; returns the exit code."""
     logging.basicConfig(level=logging.WARNING, format="kvcascade: %(levelname)s: %(message)s")
     args = _parser().parse_args(argv)
     try:
+        if args.command == "replay" and args.compare_policies:
+            return _compare(args)
         if args.command == "replay":
             return _replay(args)
     except KVCascadeError as exc:
