@@ -1,0 +1,269 @@
+"""Turn-aware policy (issue #9): CachePolicy contract under a stateful model test, the free
+rules, session hints, and saved state."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
+
+from kvcascade import CPUOffloadingManager, ReqContext
+from kvcascade._compare import storable_blocks
+from kvcascade._trace import TraceRequest
+from kvcascade.hints import SessionHint, hint_of
+from kvcascade.policies import BlockStatus, TurnAwareCachePolicy, resolve_cache_policy
+from kvcascade.policies.turn_aware import _Request
+
+CAPACITY = 4
+# Chains: key i of chain c is b"c<c>/<i>"; chains share nothing, so a touch of a chain's prefix
+# is a well-formed request.
+CHAIN = st.tuples(st.integers(0, 2), st.integers(1, 4)).map(
+    lambda t: [b"c%d/%d" % (t[0], i) for i in range(t[1])]
+)
+HINT = st.one_of(
+    st.none(),
+    st.builds(
+        SessionHint,
+        continues=st.sampled_from([None, True, False]),
+        priority=st.integers(-4, 4),
+        ttl_s=st.sampled_from([None, 0.5, 100.0]),
+    ),
+)
+
+
+class TurnAwareMachine(RuleBasedStateMachine):
+    """Drives a manager with the turn-aware policy against a model of ref counts."""
+
+    loads = Bundle("loads")
+    stores = Bundle("stores")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mgr = CPUOffloadingManager(CAPACITY, "turn_aware")
+        self.policy = self.mgr.policy
+        assert isinstance(self.policy, TurnAwareCachePolicy)
+        self.now = 0.0
+        self.policy.clock = lambda: self.now
+        self.ref: dict[bytes, int] = {}
+        self.requests = 0
+
+    def _ctx(self, hint: SessionHint | None) -> ReqContext:
+        self.requests += 1
+        ctx = ReqContext(f"r{self.requests}")
+        if hint is not None:
+            ctx.set_state(hint)
+        return ctx
+
+    @rule(target=stores, keys=CHAIN, hint=HINT)
+    def request(self, keys: list[bytes], hint: SessionHint | None):
+        ctx = self._ctx(hint)
+        self.mgr.touch(keys, ctx)
+        new = [key for key in keys if key not in self.ref]
+        eligible = [k for k, n in self.ref.items() if n == 0 and k not in keys]
+        before = dict(self.ref)
+        out = self.mgr.prepare_store(keys, ctx)
+        need = len(new) - (CAPACITY - len(self.ref))
+        if need > len(eligible):
+            assert out is None, "refused only when too few idle unprotected blocks exist"
+            assert {k: self.mgr.get_block(k).ref_cnt for k in list(self.policy.keys())} == before
+            return multiple()
+        assert out is not None, "a store failed although enough idle blocks exist"
+        assert len(out.evicted_keys) == max(need, 0)
+        for key in out.evicted_keys:
+            assert self.ref[key] == 0 and key not in keys, "evicted a pinned/protected block"
+            del self.ref[key]
+        for key in out.keys_to_store:
+            self.ref[key] = -1
+        self.mgr.touch(keys, ctx)
+        return out.keys_to_store
+
+    @rule(keys=consumes(stores), success=st.booleans())
+    def complete_store(self, keys: list[bytes], success: bool) -> None:
+        self.mgr.complete_store(keys, success=success)
+        for key in keys:
+            if self.ref.get(key) == -1:
+                if success:
+                    self.ref[key] = 0
+                else:
+                    del self.ref[key]
+
+    @rule(target=loads, data=st.data())
+    def prepare_load(self, data: st.DataObject):
+        ready = sorted(k for k, n in self.ref.items() if n >= 0)
+        if not ready:
+            return multiple()
+        keys = data.draw(st.lists(st.sampled_from(ready), min_size=1, max_size=3))
+        self.mgr.prepare_load(keys)
+        for key in keys:
+            self.ref[key] += 1
+        return keys
+
+    @rule(keys=consumes(loads))
+    def complete_load(self, keys: list[bytes]) -> None:
+        self.mgr.complete_load(keys)
+        for key in keys:
+            self.ref[key] -= 1
+
+    @rule(seconds=st.sampled_from([0.1, 1.0, 1000.0]))
+    def wait(self, seconds: float) -> None:
+        self.now += seconds
+
+    @invariant()
+    def consistent(self) -> None:
+        policy = self.policy
+        tracked = {k: self.mgr.get_block(k).ref_cnt for k in list(policy.keys())}
+        assert tracked == self.ref
+        assert self.mgr.num_evictable == sum(1 for n in self.ref.values() if n == 0)
+        assert policy._evictable == self.mgr.num_evictable
+        # bounded memory: directory, heaps, classes
+        assert len(policy._directory) <= policy.directory_size
+        for stats in policy._classes:
+            assert len(stats.heap) <= 2 * stats.live + 64 + CAPACITY
+        assert len(policy._classes) <= 3 * 7 * policy.max_turn * 9
+        # leaf candidates only: no queued block has a resident child
+        for key, entry in policy._blocks.items():
+            if entry.token >= 0:
+                assert entry.children == 0 and entry.block.ref_cnt == 0, key
+
+
+TestTurnAwareMachine = TurnAwareMachine.TestCase
+TestTurnAwareMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def _store(mgr: CPUOffloadingManager, keys: list[bytes], ctx: ReqContext | None = None) -> list:
+    mgr.touch(keys, ctx)
+    out = mgr.prepare_store(keys, ctx)
+    assert out is not None
+    mgr.complete_store(out.keys_to_store, ctx)
+    return out.evicted_keys
+
+
+def test_registered_and_constructible() -> None:
+    assert resolve_cache_policy("turn_aware") is TurnAwareCachePolicy
+    assert isinstance(CPUOffloadingManager(8, "turn_aware").policy, TurnAwareCachePolicy)
+
+
+def test_free_rule_partial_last_block_is_not_stored() -> None:
+    """Rule 1: 1,000 tokens = one full block + a partial one; 1,024 = two full blocks."""
+    assert storable_blocks(TraceRequest(0, 0, 1000, (1, 2)), free_rules=True) == 1
+    assert storable_blocks(TraceRequest(0, 0, 1024, (1, 2)), free_rules=True) == 2
+    assert storable_blocks(TraceRequest(0, 0, 1000, (1, 2)), free_rules=False) == 2
+
+
+def test_free_rule_deepest_first_within_a_chain() -> None:
+    """Rule 2: a chain is evicted from its deepest block up; the root goes last."""
+    mgr = CPUOffloadingManager(4, "turn_aware")
+    chain = [b"a0", b"a1", b"a2", b"a3"]
+    _store(mgr, chain, ReqContext("a"))
+    evicted = _store(mgr, [b"x0"], ReqContext("x"))
+    assert evicted == [b"a3"]
+    evicted = _store(mgr, [b"y0", b"y1"], ReqContext("y"))
+    assert evicted == [b"a2", b"a1"]
+
+
+def test_parent_with_pinned_child_is_evicted_only_as_a_last_resort() -> None:
+    mgr = CPUOffloadingManager(3, "turn_aware")
+    _store(mgr, [b"a0", b"a1"], ReqContext("a"))
+    mgr.prepare_load([b"a1"])  # pin the leaf
+    assert _store(mgr, [b"b0"], ReqContext("b")) == []
+    assert _store(mgr, [b"c0"], ReqContext("c")) in ([b"b0"], [b"a0"])
+    assert mgr.get_block(b"a1") is not None  # pinned: never evicted
+    assert mgr.prepare_store([b"d0", b"d1", b"d2"]) is None  # atomic refusal
+    assert mgr.get_block(b"a1") is not None
+
+
+def _class_key(policy: TurnAwareCachePolicy, ctx: ReqContext) -> tuple[int, int, int, int]:
+    request = ctx.get_state(_Request)
+    assert request is not None
+    return policy._classes[request.cls].key
+
+
+def test_turn_inference_from_chained_keys() -> None:
+    """(hint, priority, turn, bit length of the new-block count) per request."""
+    policy = TurnAwareCachePolicy(64)
+    turn1 = [b"s", b"u1", b"u2"]
+    ctx1 = ReqContext("t1")
+    policy.touch(turn1, ctx1)
+    turn2 = [*turn1, b"u3", b"u4", b"u5"]
+    ctx2 = ReqContext("t2")
+    policy.touch(turn2, ctx2)
+    ctx3 = ReqContext("t3")
+    policy.touch([*turn2, b"u6"], ctx3)
+    other = ReqContext("o")
+    policy.touch([b"s", b"v1"], other)  # shares only the root: a new conversation
+    assert _class_key(policy, ctx1) == (0, 0, 1, 2)
+    assert _class_key(policy, ctx2) == (0, 0, 2, 2)
+    assert _class_key(policy, ctx3) == (0, 0, 3, 1)
+    assert _class_key(policy, other) == (0, 0, 1, 1)
+
+
+def test_learns_that_false_hints_do_not_come_back() -> None:
+    policy = TurnAwareCachePolicy(16, horizon_factor=4)
+    for i in range(40):
+        no = ReqContext(f"n{i}")
+        no.set_state(SessionHint(continues=False))
+        policy.touch([b"e%d/0" % i, b"e%d/1" % i], no)
+        yes = ReqContext(f"y{i}")
+        yes.set_state(SessionHint(continues=True))
+        policy.touch([b"k/0", b"k/1"], yes)
+    no_cls = policy._class_index[_class_key(policy, no)]
+    yes_cls = policy._class_index[_class_key(policy, yes)]
+    assert policy.reread_probability(yes_cls, 0) > 2 * policy.reread_probability(no_cls, 0)
+
+
+def test_ttl_expired_blocks_are_evicted_before_fresh_ones() -> None:
+    now = [0.0]
+    mgr = CPUOffloadingManager(2, "turn_aware")
+    mgr.policy.clock = lambda: now[0]  # type: ignore[attr-defined]
+    short = ReqContext("short")
+    short.set_state(SessionHint(ttl_s=1.0))
+    _store(mgr, [b"s0"], short)
+    _store(mgr, [b"f0"], ReqContext("fresh"))
+    now[0] = 5.0
+    assert _store(mgr, [b"n0"], ReqContext("new")) == [b"s0"]
+
+
+def test_hint_parsing() -> None:
+    ctx = ReqContext("r", {"kvcascade_hint": {"continues": False, "ttl_s": 30, "priority": 9}})
+    hint = hint_of(ctx)
+    assert hint == SessionHint(continues=False, ttl_s=30, priority=3)
+    assert ctx.get_state(SessionHint) is hint
+    assert hint_of(ReqContext("r", {"kvcascade_hint": {"continues": "yes"}})) is None
+    assert hint_of(ReqContext("r", {"kvcascade_hint": {"bogus": 1}})) is None
+    assert hint_of(ReqContext("r", {"other": 1})) is None
+    assert hint_of(None) is None
+    with pytest.raises(ValueError):
+        SessionHint(ttl_s=0)
+    with pytest.raises(ValueError):
+        SessionHint(priority=1.5)  # type: ignore[arg-type]
+
+
+def test_save_and_load_state(tmp_path: Path) -> None:
+    policy = TurnAwareCachePolicy(32)
+    for i in range(10):
+        policy.touch([b"x", b"y%d" % i, b"z%d" % i], ReqContext(f"a{i}"))
+        policy.touch([b"x", b"y%d" % i, b"z%d" % i, b"w%d" % i], ReqContext(f"b{i}"))
+    path = tmp_path / "turn_aware_state.json"
+    policy.save_state(path)
+    fresh = TurnAwareCachePolicy(32)
+    fresh.load_state(path)
+    assert fresh.class_table() == policy.class_table()
+    path.write_text(json.dumps({"version": 99}))
+    with pytest.raises(ValueError):
+        fresh.load_state(path)
+    path.write_text("not json")
+    with pytest.raises(ValueError):
+        fresh.load_state(path)
+
+
+def test_insert_of_a_ready_block_is_evictable() -> None:
+    policy = TurnAwareCachePolicy(4)
+    policy.insert(b"k", BlockStatus(0, ref_cnt=0))
+    victims = policy.evict(1, ())
+    assert victims is not None and victims[0][0] == b"k"
+    assert policy.evict(1, ()) is None
+    assert policy.evict(0, ()) == []
