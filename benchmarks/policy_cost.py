@@ -1,0 +1,94 @@
+"""Per-key bookkeeping cost of each eviction policy (µs per key, Python bytes per block).
+
+Same workload shape as ``benchmarks/bookkeeping.py`` (which stays lru/arc-only): ``--n``
+distinct keys ``sha256(i) + group 0``, fed in order ``--batch`` keys per call through
+``touch`` → ``prepare_store`` → ``complete_store`` → ``lookup`` on one request context per
+batch, at capacity ``n`` (no eviction) and ``n // 10`` (90 % of the keys evict one). Time: wall
+time of the loop / n, best and median of ``--runs`` fresh managers. Memory: ``tracemalloc``
+bytes of a manager filled to ``--n`` ready blocks / n (keys allocated before tracing; for the
+turn-aware policy the directory is included, for ARC its ghosts are not yet filled).
+
+    python benchmarks/policy_cost.py [--n 100000] [--runs 3] [--batch 16]
+        [--policies lru,arc,turn_aware]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import os
+import statistics
+import sys
+import time
+import tracemalloc
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+from kvcascade import CPUOffloadingManager, ReqContext  # noqa: E402
+
+
+def _keys(n: int) -> list[bytes]:
+    return [hashlib.sha256(i.to_bytes(8, "little")).digest() + b"\0\0\0\0" for i in range(n)]
+
+
+def _run(policy: str, keys: list[bytes], capacity: int, batch: int) -> float:
+    """Seconds for the whole key sequence on a fresh manager."""
+    mgr = CPUOffloadingManager(capacity, policy)
+    gc.collect()
+    start = time.perf_counter()
+    for i in range(0, len(keys), batch):
+        chunk = keys[i : i + batch]
+        ctx = ReqContext(f"r{i}")
+        mgr.touch(chunk, ctx)
+        out = mgr.prepare_store(chunk, ctx)
+        if out is not None:
+            mgr.complete_store(out.keys_to_store, ctx)
+        for key in chunk:
+            mgr.lookup(key)
+    return time.perf_counter() - start
+
+
+def _memory(policy: str, keys: list[bytes], batch: int) -> float:
+    """Traced bytes per block of a manager holding every key."""
+    gc.collect()
+    tracemalloc.start()
+    mgr = CPUOffloadingManager(len(keys), policy)
+    for i in range(0, len(keys), batch):
+        chunk = keys[i : i + batch]
+        ctx = ReqContext(f"r{i}")
+        mgr.touch(chunk, ctx)
+        out = mgr.prepare_store(chunk, ctx)
+        assert out is not None
+        mgr.complete_store(out.keys_to_store, ctx)
+    used = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    del mgr
+    return used / len(keys)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print one row per policy and capacity."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=100_000)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--policies", default="lru,arc,turn_aware")
+    args = parser.parse_args(argv)
+    keys = _keys(args.n)
+    print(f"{'policy':<12}{'capacity':>10}{'best µs/key':>13}{'median µs/key':>15}{'B/block':>9}")
+    for policy in args.policies.split(","):
+        mem = _memory(policy, keys, args.batch)
+        for capacity in (args.n, args.n // 10):
+            times = [_run(policy, keys, capacity, args.batch) for _ in range(args.runs)]
+            per_key = [t / args.n * 1e6 for t in times]
+            print(
+                f"{policy:<12}{capacity:>10,}{min(per_key):>13.2f}"
+                f"{statistics.median(per_key):>15.2f}{mem:>9.0f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
