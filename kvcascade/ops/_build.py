@@ -37,6 +37,8 @@ _attempted = False
 _error: str | None = None
 _triton: ModuleType | None = None
 _triton_attempted = False
+_background: threading.Thread | None = None
+_start_lock = threading.Lock()
 
 
 def kernels_dir() -> Path | None:
@@ -128,6 +130,24 @@ def load_extension() -> ModuleType | None:
                 )
         _attempted = True
     return _extension
+
+
+def extension_if_ready() -> ModuleType | None:
+    """The extension if it is already loaded; otherwise start loading it on a background
+    thread (a build takes ~1 min on 2 cores; a cached build loads in about a second) and return
+    ``None`` at once, so a hot path never waits for the compiler."""
+    global _background
+    if _attempted:
+        return _extension
+    if _background is not None:
+        return None
+    with _start_lock:  # not _lock: load_extension holds that for the whole build
+        if _background is None:
+            _background = threading.Thread(
+                target=load_extension, name="kvcascade-kernel-build", daemon=True
+            )
+            _background.start()
+    return None
 
 
 def extension_error() -> str | None:

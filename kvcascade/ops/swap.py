@@ -85,6 +85,7 @@ def batch_copy(
     *,
     stream: torch.cuda.Stream | int | None = None,
     src_access_any: bool = False,
+    wait_for_build: bool = True,
 ) -> int:
     """Copy ``sizes[i]`` bytes from address ``src_ptrs[i]`` to address ``dst_ptrs[i]`` for every i.
 
@@ -97,6 +98,8 @@ def batch_copy(
             stream (``cudaMemcpyBatchAsync`` when available), asynchronous.
         src_access_any: CUDA only — the source may be read out of stream order (safe for host
             memory nobody writes meanwhile, e.g. loads).
+        wait_for_build: host copies only — False: if the extension is not loaded yet, start
+            building it in the background and copy with the (slower) ``ctypes`` fallback now.
 
     Returns:
         total bytes copied (or enqueued).
@@ -115,7 +118,10 @@ def batch_copy(
             f"batch_copy: lengths differ: src_ptrs {len(src_ptrs)}, dst_ptrs {len(dst_ptrs)}, "
             f"sizes {len(sizes)}"
         )
-    ext = _build.load_extension()
+    if stream is None and not wait_for_build:
+        ext = _build.extension_if_ready()
+    else:
+        ext = _build.load_extension()
     if stream is None:
         if ext is not None:
             return int(ext.batch_copy(src_ptrs, dst_ptrs, sizes))

@@ -234,4 +234,5 @@ class DeviceTier:
 
 
 def _copy(descriptors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> int:
-    return batch_copy(*descriptors)
+    # Never wait for the compiler on the serving path: copy with the fallback until it is built.
+    return batch_copy(*descriptors, wait_for_build=False)
