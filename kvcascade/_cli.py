@@ -64,6 +64,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     rp.add_argument("--fs-dir", help="fs tier directory (default: a temporary directory)")
     rp.add_argument("--no-fs", action="store_true", help="no fs tier (GPU and CPU only)")
+    rp.add_argument(
+        "--fs-max-bytes",
+        type=_positive_int,
+        help="capacity of the fs tier in bytes; least recently used files are evicted "
+        "(default: unbounded)",
+    )
     rp.add_argument("--eviction-policy", help="CPU tier eviction policy (lru, …)")
     rp.add_argument("--config", help="JSON object (or @file) of kv_connector_extra_config keys")
     rp.add_argument("--json", dest="json_path", help="write the report as JSON to this path")
@@ -93,11 +99,15 @@ def _parser() -> argparse.ArgumentParser:
         "(issue #9's baseline model)",
     )
     rp.add_argument("--seed", type=_nonneg_int, default=0, help="seed of --hints noise")
-    rp.add_argument(
-        "--no-data",
-        action="store_true",
-        help="skip KV bytes (--compare-policies never moves bytes; accepted for clarity)",
+    cal = sub.add_parser(
+        "calibrate",
+        help="measure the copy kernels on this machine and write the kernel-choice thresholds",
+        description="Time the C++ batch copy and the Triton kernel for CPU→GPU loads per page "
+        "size and write the crossover to the settings file the library reads (CUDA only; on a "
+        "machine without a GPU it reports the host copy rate and writes nothing).",
     )
+    cal.add_argument("--output", help="settings file (default: the library's settings path)")
+    cal.add_argument("--reps", type=_positive_int, default=20, help="timed repetitions per point")
     return parser
 
 
@@ -133,6 +143,11 @@ def build_replay_config(args: argparse.Namespace) -> CascadeConfig:
         if not fs:
             raise ConfigError("--fs-dir given but no fs tier is configured (drop --no-fs)")
         fs[0]["root_dir"] = args.fs_dir
+    if args.fs_max_bytes and isinstance(tiers, list):
+        fs = [t for t in tiers if isinstance(t, dict) and t.get("type") == "fs"]
+        if not fs:
+            raise ConfigError("--fs-max-bytes given but no fs tier is configured (drop --no-fs)")
+        fs[0]["max_bytes"] = args.fs_max_bytes
     extra["secondary_tiers"] = tiers
     cpu_blocks = args.cpu_blocks
     if cpu_blocks is None and "cpu_bytes_to_use" not in extra and "cpu_blocks" not in extra:
@@ -208,9 +223,7 @@ def _compare(args: argparse.Namespace) -> int:
         raise ConfigError("--compare-policies and --capacities need at least one entry each")
     trace = read_trace(args.trace or bundled_trace(), limit=args.requests)
     try:
-        result = compare(
-            trace, policies, fractions, not args.no_free_rules, args.hints, args.seed
-        )
+        result = compare(trace, policies, fractions, not args.no_free_rules, args.hints, args.seed)
     except ValueError as exc:
         if isinstance(exc, KVCascadeError):
             raise
@@ -218,11 +231,28 @@ def _compare(args: argparse.Namespace) -> int:
     print(format_comparison(result))
     if args.json_path:
         rows = [
-            {"policy": name, "fraction": fraction, "capacity": run.capacity,
-             "hits": run.hits, "instances": run.instances, "hit_ratio": run.hit_ratio}
+            {
+                "policy": name,
+                "fraction": fraction,
+                "capacity": run.capacity,
+                "hits": run.hits,
+                "instances": run.instances,
+                "hit_ratio": run.hit_ratio,
+            }
             for (name, fraction), run in result.runs.items()
         ]
         Path(args.json_path).write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from .ops.calibrate import calibrate
+
+    results, written = calibrate(Path(args.output) if args.output else None, reps=args.reps)
+    print(f"{'kernel':<8}{'page B':>10}{'count':>7}{'GB/s':>9}")
+    for m in results:
+        print(f"{m.kernel:<8}{m.page_bytes:>10}{m.count:>7}{m.gbps:>9.2f}")
+    print(f"settings written to {written}" if written else "no CUDA device: nothing written")
     return 0
 
 
@@ -235,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             return _compare(args)
         if args.command == "replay":
             return _replay(args)
+        if args.command == "calibrate":
+            return _calibrate(args)
     except KVCascadeError as exc:
         print(f"kvcascade: error: {exc}", file=sys.stderr)
         return 2

@@ -154,7 +154,6 @@ def test_cli_compare(capsys: pytest.CaptureFixture[str]) -> None:
             "300",
             "--hints",
             "oracle:0.1",
-            "--no-data",
         ]
     )
     out = capsys.readouterr().out

@@ -237,3 +237,38 @@ def test_negative_size_exits_nonzero_without_traceback() -> None:
     assert proc.returncode == 2
     assert "-5" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_fs_max_bytes_bounds_the_fs_tier(tmp_path: Path) -> None:
+    """--fs-max-bytes: the fs tier evicts its least recently used files to stay in budget."""
+    out = tmp_path / "r.json"
+    budget = 64 * (4096 + 4096)  # 64 files of a 4 KiB header + a 4 KiB payload
+    code = main(
+        [
+            "replay",
+            "--requests",
+            "40",
+            "--block-bytes",
+            "4096",
+            "--cpu-blocks",
+            "16",
+            "--fs-dir",
+            str(tmp_path / "fs"),
+            "--fs-max-bytes",
+            str(budget),
+            "--json",
+            str(out),
+            "--quiet",
+        ]
+    )
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["evictions"]["fs"] > 0
+    files = list((tmp_path / "fs").rglob("*.bin"))
+    assert 0 < len(files) <= 64
+    assert report["corrupt_blocks"] == 0
+
+
+def test_fs_max_bytes_needs_an_fs_tier(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", "--requests", "2", "--no-fs", "--fs-max-bytes", "100"]) == 2
+    assert "--fs-max-bytes" in capsys.readouterr().err
