@@ -34,13 +34,7 @@ import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
-# Run as a script, this directory comes first on sys.path and its copy.py would shadow the
-# standard library's copy module: swap that entry for the repository root.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
-
-from kvcascade import CPUOffloadingManager, LookupResult, ReqContext  # noqa: E402
+from kvcascade import CPUOffloadingManager, LookupResult, ReqContext
 
 REQ_LEN = 16
 

@@ -18,10 +18,9 @@ shows the best of the repeats and the tier/raw ratio. GB/s = 1e9 payload bytes p
 
 Usage::
 
-    python -P benchmarks/fs_tier.py --root /dev/shm   # tmpfs: the software cost
-    python -P benchmarks/fs_tier.py --root /tmp       # the disk (noisier)
+    python benchmarks/fs_tier.py --root /dev/shm   # tmpfs: the software cost
+    python benchmarks/fs_tier.py --root /tmp       # the disk (noisier)
 
-(``-P``: benchmarks/copy.py would otherwise shadow the standard library's ``copy``.)
 """
 
 from __future__ import annotations

@@ -13,30 +13,22 @@ swap / torch (target ≥ 0.9). Because torch's int8 ``index_copy_`` is slow on t
 ``ceiling`` column also gives one contiguous ``copy_`` of the same number of bytes between the
 two buffers, and ``/ceil`` the swap path's share of it.
 
-    python benchmarks/copy.py [--total-mib 64] [--reps 7] [--pages 4096,65536] [--kernel auto]
+    python benchmarks/copy_blocks.py [--total-mib 64] [--reps 7] [--pages 4096,65536]
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
+import mmap
 import os
-import sys
+import statistics
+import time
 
-# Run as a script, this file's directory comes first on sys.path and "copy.py" would shadow the
-# standard library's copy module (torch imports it): swap that entry for the repository root.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
+import numpy as np
+import torch
 
-import argparse  # noqa: E402
-import functools  # noqa: E402
-import mmap  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from kvcascade.ops import select_kernel, swap_blocks  # noqa: E402
+from kvcascade.ops import select_kernel, swap_blocks
 
 DEFAULT_PAGES = [4096, 16384, 65536, 262144, 1 << 20, 2 << 20]
 
