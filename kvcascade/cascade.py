@@ -183,10 +183,7 @@ class Cascade:
             self.device.load(slots, np.asarray(gpu_ids[: len(ready)], dtype=np.int64))
         )
         try:
-            transfer = await asyncio.shield(copy)
-        except asyncio.CancelledError:
-            await asyncio.wait([copy])
-            raise
+            transfer = await _uncancellable(copy)
         finally:
             coord.complete_load(ready, ctx)
         if not transfer.success:
@@ -227,10 +224,7 @@ class Cascade:
             self._store_waits[key] = done
         copy = asyncio.ensure_future(self.device.store(src, out.store_spec.block_ids))  # type: ignore[attr-defined]
         try:
-            transfer = await asyncio.shield(copy)
-        except asyncio.CancelledError:
-            await asyncio.wait([copy])
-            raise
+            transfer = await _uncancellable(copy)
         finally:
             coord.complete_store(out.keys_to_store, ctx, success=_succeeded(copy))
             for key in out.keys_to_store:
@@ -272,6 +266,16 @@ class Cascade:
     def _release(self) -> None:
         self.device.close()
         self.host.close()
+
+
+async def _uncancellable(copy: asyncio.Future[DeviceTransfer]) -> DeviceTransfer:
+    """Await a device copy; if the caller is cancelled, let the copy finish first (its rows
+    must stay pinned until then), then re-raise the cancellation."""
+    try:
+        return await asyncio.shield(copy)
+    except asyncio.CancelledError:
+        await asyncio.wait([copy])
+        raise
 
 
 def _succeeded(copy: asyncio.Future[DeviceTransfer]) -> bool:
