@@ -26,6 +26,13 @@ jobs wait in the mailbox: a store submitted beyond that is refused at once with 
 (``counters["store_rejected"]``), never an exception, so the coordinator releases its pins.
 Loads are always admitted (each holds a reserved primary slot, which bounds them).
 
+Native asyncio tiers: a tier whose movers (:meth:`_store_blocks`, :meth:`_load_blocks`,
+:meth:`_probe`) are all coroutine functions starts no threads; each job (or probe) runs as a task
+on the event loop in one of the ``io_threads`` slots, with the same queues, deadlines, results,
+counters and events. At the deadline a running task is cancelled and its job fails as
+*abandoned*; the ``released`` result follows once the task has unwound (its clean-up included),
+and the slot frees then. :meth:`_cleanup` runs after the last job ended (e.g. to close a client).
+
 Thread rules: the synchronous façade runs on the event-loop thread (a scheduler on another thread
 reaches it through the coordinator's portal); only :meth:`close` may be called from any thread.
 I/O threads are daemon threads, so a thread stuck forever never blocks interpreter exit.
@@ -35,12 +42,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import logging
 import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from typing import Any, ClassVar
 
 from .._errors import TierUnavailableError, TransferError
@@ -78,6 +86,7 @@ class _Work:
         "slot",
         "started_at",
         "state",
+        "task",
     )
 
     def __init__(
@@ -101,19 +110,22 @@ class _Work:
         self.finished = False
         self.abandoned = False
         self.replaced = False
+        self.task: asyncio.Task[None] | None = None  # a native (coroutine) work's task
 
 
 class SecondaryTier(ABC):
     """Base class of secondary tiers (fs, s3, memory).
 
-    Subclasses implement the blocking data movers :meth:`_store_blocks`, :meth:`_load_blocks`
-    and :meth:`_probe` (run on the tier's I/O threads) and may override the hooks
-    (:meth:`_startup`, :meth:`touch`, ...).
+    Subclasses implement the data movers :meth:`_store_blocks`, :meth:`_load_blocks` and
+    :meth:`_probe` — blocking functions run on the tier's I/O threads, or all three coroutine
+    functions run as tasks on the event loop (a native asyncio tier, module docstring) — and may
+    override the hooks (:meth:`_startup`, :meth:`_cleanup`, :meth:`touch`, ...).
 
     Args:
         name: the tier's name in metrics, events and replay output (e.g. ``"fs"``).
         host: the primary tier's buffer; jobs address its rows by slot id.
-        io_threads: number of I/O threads (``>= 1``).
+        io_threads: number of I/O threads (``>= 1``); for a native asyncio tier, the number of
+            jobs running at once.
         io_timeout_s: deadline of one job in seconds from submission (``> 0``); a job past it
             fails (its pins are then released by the coordinator) instead of hanging.
         max_queued_jobs: jobs allowed to wait for a thread (``>= 1``); further stores are refused.
@@ -160,19 +172,28 @@ class SecondaryTier(ABC):
         self._thread_lock = threading.Lock()
         self._replacements = 0
         self._current = threading.local()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._lookup = AsyncLookup(self)
+        self._native = all(
+            inspect.iscoroutinefunction(m)
+            for m in (self._store_blocks, self._load_blocks, self._probe)
+        )
         self.counters: collections.Counter[str] = collections.Counter()
 
-    # -- data movers (blocking; run on the I/O threads) ------------------------------------
+    # -- data movers (blocking, run on the I/O threads; or all three coroutine functions) ----
     @abstractmethod
-    def _store_blocks(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
+    def _store_blocks(
+        self, keys: Sequence[bytes], rows: Sequence[memoryview]
+    ) -> int | Awaitable[int]:
         """Persist ``rows[i]`` under ``keys[i]``; return bytes written.
 
         Raises on the first failing block (:class:`TransferError` with the keys that succeeded).
         """
 
     @abstractmethod
-    def _load_blocks(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
+    def _load_blocks(
+        self, keys: Sequence[bytes], rows: Sequence[memoryview]
+    ) -> int | Awaitable[int]:
         """Fill ``rows[i]`` with the bytes stored under ``keys[i]``; return bytes read.
 
         Raises on the first failing block (:class:`TransferError` with the keys that succeeded);
@@ -180,8 +201,8 @@ class SecondaryTier(ABC):
         """
 
     @abstractmethod
-    def _probe(self, keys: Sequence[bytes]) -> list[bool]:
-        """Existence of each key (blocking)."""
+    def _probe(self, keys: Sequence[bytes]) -> list[bool] | Awaitable[list[bool]]:
+        """Existence of each key."""
 
     def _rows(self, block_ids: Iterable[int]) -> list[memoryview]:
         """The primary rows a job moves (default: the ``block_bytes`` KV bytes of each slot).
@@ -202,6 +223,10 @@ class SecondaryTier(ABC):
     async def _startup(self) -> None:  # noqa: B027 - optional hook
         """Start-up work run by :meth:`run` before it reports readiness (default: none)."""
 
+    async def _cleanup(self) -> None:  # noqa: B027 - optional hook
+        """Shutdown work run by :meth:`run` after every job ended, also when :meth:`_startup`
+        failed (default: none)."""
+
     def _job_abandoned(self) -> bool:
         """On an I/O thread: True once the running job passed its deadline (stop early)."""
         work: _Work | None = getattr(self._current, "work", None)
@@ -217,7 +242,7 @@ class SecondaryTier(ABC):
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._wake = asyncio.Event()
-        for _ in range(self.io_threads):
+        for _ in range(0 if self._native else self.io_threads):
             self._spawn_thread()
         try:
             await self._startup()
@@ -236,7 +261,11 @@ class SecondaryTier(ABC):
             running = [w.fut for w in self._running]
             if running:
                 await asyncio.wait(running)
+            unwinding = [t for t in self._tasks if not t.done()]
+            if unwinding:  # cancelled at their deadline, still cleaning up
+                await asyncio.wait(unwinding)
             await asyncio.to_thread(self._stop_threads)
+            await self._cleanup()
 
     def _spawn_thread(self) -> None:
         thread = threading.Thread(
@@ -310,7 +339,29 @@ class SecondaryTier(ABC):
             work.slot = slot
             work.started_at = time.perf_counter()
             self._running.add(work)
-            self._inbox.put(work)
+            if inspect.iscoroutinefunction(work.fn):
+                assert self._loop is not None
+                work.task = self._loop.create_task(self._run_native(work))
+                self._tasks.add(work.task)
+                work.task.add_done_callback(self._tasks.discard)
+            else:
+                self._inbox.put(work)
+
+    async def _run_native(self, work: _Work) -> None:
+        """Run a coroutine mover as a task: the loop-side twin of :meth:`_thread_main`."""
+        outcome: Any = None
+        error: BaseException | None = None
+        try:
+            outcome = await work.fn(*work.args)
+        except asyncio.CancelledError:
+            if not work.abandoned:
+                raise  # not our deadline: the actor's task is being cancelled
+        except Exception as exc:  # delivered like a thread's, classified by _work_done
+            error = exc
+        if work.abandoned:
+            self._thread_returned(work)
+        else:
+            self._work_done(work, outcome, error)
 
     def _pop_live(self, q: collections.deque[_Work]) -> _Work | None:
         while q:
@@ -344,7 +395,12 @@ class SecondaryTier(ABC):
         if work.state == _DONE:
             return
         self.counters["timeouts"] += 1
-        if work.state == _RUNNING:
+        if work.state == _RUNNING and work.task is not None:
+            work.abandoned = True  # its slot frees once the cancelled task has unwound
+            work.task.cancel()
+            self.counters["stuck_threads"] += 1
+            self._running.discard(work)
+        elif work.state == _RUNNING:
             with self._thread_lock:
                 if work.finished:
                     return  # its result is already on the way to the loop
