@@ -46,6 +46,8 @@ _REGISTRY: dict[str, str | TierFactory] = {
     "fs": "kvcascade.tiers.registry:_fs_factory",
     "memory": "kvcascade.tiers.memory:memory_tier_factory",
     "example": "kvcascade.tiers.memory:memory_tier_factory",
+    "s3": "kvcascade.tiers.registry:_s3_factory",
+    "obj": "kvcascade.tiers.registry:_s3_factory",
 }
 
 
@@ -54,6 +56,16 @@ def _fs_factory(ctx: TierContext, **kwargs: Any) -> SecondaryTier:
 
     salt = kwargs.pop("cache_salt", None)
     return fs_tier_from_config(ctx.host, ctx.mapper(salt), kwargs)
+
+
+def _s3_factory(ctx: TierContext, **kwargs: Any) -> SecondaryTier:
+    try:
+        from .s3 import s3_tier_from_config
+    except ModuleNotFoundError as exc:
+        raise ConfigError(
+            f"the s3 tier needs aiobotocore ({exc.name} is missing): pip install 'kvcascade[s3]'"
+        ) from exc
+    return s3_tier_from_config(ctx.host, ctx.mapper(), kwargs)
 
 
 def register_secondary_tier(type_name: str, factory: str | TierFactory) -> None:

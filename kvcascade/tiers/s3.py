@@ -1,0 +1,742 @@
+"""The S3 tier (``type: "s3"``, vLLM's ``obj`` is an alias): one object per block, asyncio-native.
+
+Object key of a block: ``<prefix>/`` + the fs tier's relative path
+(:meth:`~kvcascade.tiers._file_mapper.FileMapper.relative_path`), i.e.
+``<prefix>/<model>_<digest12>_r<rank>/<hhh>/<hh>_g<group>/<hex>.bin``, never with ``//`` nor a
+leading ``/`` (vLLM's obj tier has both, spec §4.5, §10). Object bytes are the fs tier's block file
+format v2 (:mod:`kvcascade.tiers.fs`): a 4096-byte header (magic, version, payload length, xxh3
+of the payload and of the key), the payload, zero padding to a multiple of 4096 bytes, so block
+files copied between a bucket and an fs ``root_dir`` (``aws s3 sync``) are served by either tier.
+
+Transport: one aiobotocore client per tier, created in the actor's start-up and closed at its
+end, with a connection pool of ``max_concurrency`` connections; an :class:`asyncio.Semaphore` of
+the same size bounds the requests in flight (puts, gets with their bodies, heads, deletes).
+Every job runs as a task on the event loop (the native path of
+:class:`~kvcascade.tiers.base.SecondaryTier`); the blocks of a job move concurrently. Retries
+(throttling, 5xx, connection errors, with exponential backoff) are botocore's ``standard`` retry
+mode with ``max_attempts`` attempts in all.
+
+* **Store** (per block): a key known to be in the bucket is not rewritten. Otherwise ``PutObject``
+  whose body streams the header, the primary row and the padding straight from their memory
+  (no copy of the payload: :class:`_BlockBody`); above ``multipart_threshold_bytes`` a multipart
+  upload of parts of ``max(threshold, 5 MiB)`` bytes, aborted (``AbortMultipartUpload``) on any
+  failure, cancellation included. Payload signing is off (``UNSIGNED-PAYLOAD``): the xxh3
+  checksum in the header guards the bytes, and a SHA-256 pass over every block would halve the
+  tier's throughput on plain-HTTP endpoints.
+* **Load** (per block): ``GetObject`` whose body is read into the header buffer and straight into
+  the primary row, length checked, then header, key digest and checksum verified
+  (:func:`~kvcascade.tiers.fs.check_block`). A body is read to its end or closed on every path,
+  cancellation included, so no connection leaks from the pool (aiobotocore #1061). A corrupt
+  object is deleted and counted (``counters["corrupt_blocks"]``).
+* **Lookup**: vLLM's async lookup (spec §3.12) over concurrent ``HeadObject`` requests; keys this
+  tier stored, loaded or found are remembered (an LRU index) and answer ``HIT`` without a request.
+  A probe error answers ``MISS``.
+* **Capacity** (``max_bytes``): the index doubles as the LRU of the objects this tier knows; a
+  store that would exceed the bound first deletes the least recently used objects
+  (``counters["evictions"]``, one removal event per store). Objects being read are skipped.
+* **Degradation**: a connection failure to the endpoint (after botocore's retries) marks it down
+  for :data:`DOWN_RETRY_S` seconds: probes answer ``MISS``, stores are dropped
+  (``counters["store_dropped_blocks"]``) and loads fail, all without a request; the first request
+  after that window tries again and any answer marks the endpoint up. Jobs in flight fail at their
+  deadline (``io_timeout_s``). No restart is needed.
+
+Credentials come from ``access_key``/``secret_key``/``session_token`` when given, else from
+botocore's default chain (environment, shared files, instance metadata). No secret appears in a
+log line, an exception or a ``repr``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+import urllib.parse
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from typing import Any
+
+import aiobotocore.session
+import aiohttp
+from aiobotocore.config import AioConfig
+from aiohttp.abc import AbstractStreamWriter
+from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError
+
+from .._errors import ConfigError, CorruptBlockError, TierUnavailableError, TransferError
+from .._types import OffloadingEvent
+from ._file_mapper import FileMapper
+from .base import SecondaryTier
+from .cpu import HostBuffer
+from .fs import HEADER_BYTES, check_block, encode_header, file_size
+
+log = logging.getLogger(__name__)
+
+MIN_PART_BYTES = 5 * 1024 * 1024
+"""S3's smallest part size (bytes) except for the last part of a multipart upload."""
+DOWN_RETRY_S = 1.0
+"""Seconds an endpoint that refused connections is left alone before the next try."""
+MAX_KNOWN_KEYS = 1 << 20
+"""Keys remembered as present when ``max_bytes`` is unset (~100 MB of index at most)."""
+
+_ZEROS = memoryview(bytes(HEADER_BYTES))
+_IO_ERRORS = (
+    BotoCoreError,
+    ClientError,
+    aiohttp.ClientError,
+    OSError,
+    TimeoutError,
+    TierUnavailableError,
+)
+
+
+class _Credentials:
+    """Explicit credentials, kept out of every ``repr`` and message."""
+
+    __slots__ = ("access_key", "secret_key", "session_token")
+
+    def __init__(self, access_key: str, secret_key: str, session_token: str | None) -> None:
+        self.access_key = access_key
+        self.secret_key = secret_key
+        self.session_token = session_token
+
+    def __repr__(self) -> str:
+        return "<credentials hidden>"
+
+    def client_kwargs(self) -> dict[str, str]:
+        kwargs = {"aws_access_key_id": self.access_key, "aws_secret_access_key": self.secret_key}
+        if self.session_token:
+            kwargs["aws_session_token"] = self.session_token
+        return kwargs
+
+
+class _BlockBody(aiohttp.payload.Payload):
+    """A request body streamed from memoryviews (header, primary row, padding) without copying.
+
+    botocore reads its length with ``len`` (Content-Length) and rewinds it with ``seek(0)``
+    before a retry; aiohttp writes it with :meth:`write_with_length`.
+    """
+
+    def __init__(self, parts: Sequence[memoryview]) -> None:
+        self._parts = tuple(p for p in parts if p.nbytes)
+        super().__init__(self._parts, content_type="application/octet-stream")
+        self._size = sum(p.nbytes for p in self._parts)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        """Rewind (botocore's retry): every write streams the parts from their start."""
+        if offset or whence:
+            raise ValueError("a block body can only be rewound to its start")
+        return 0
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return b"".join(self._parts).decode(encoding, errors)
+
+    async def write(self, writer: AbstractStreamWriter) -> None:
+        await self.write_with_length(writer, None)
+
+    async def write_with_length(
+        self, writer: AbstractStreamWriter, content_length: int | None
+    ) -> None:
+        left = self._size if content_length is None else content_length
+        for part in self._parts:
+            if left <= 0:
+                break
+            piece = part[:left]
+            await writer.write(piece)
+            left -= piece.nbytes
+
+
+def _split(parts: Sequence[memoryview], size: int) -> list[list[memoryview]]:
+    """Cut the concatenation of ``parts`` into pieces of ``size`` bytes (the last may be less),
+    each a list of views (no copy)."""
+    out: list[list[memoryview]] = [[]]
+    room = size
+    for part in parts:
+        while part.nbytes:
+            if not room:
+                out.append([])
+                room = size
+            piece = part[:room]
+            out[-1].append(piece)
+            room -= piece.nbytes
+            part = part[piece.nbytes :]
+    return out
+
+
+def _display_endpoint(endpoint_url: str | None, region: str | None) -> str:
+    """The endpoint for messages: without any user-info part (never a credential)."""
+    if endpoint_url is None:
+        return f"AWS S3 ({region or 'default region'})"
+    parts = urllib.parse.urlsplit(endpoint_url)
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def _error_code(exc: BaseException) -> str:
+    """The S3 error code of a ``ClientError``, else the exception's type name."""
+    if isinstance(exc, ClientError):
+        return str(exc.response.get("Error", {}).get("Code") or type(exc).__name__)
+    return type(exc).__name__
+
+
+def _is_not_found(exc: BaseException) -> bool:
+    if not isinstance(exc, ClientError):
+        return False
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status == 404 or _error_code(exc) in ("404", "NoSuchKey", "NotFound")
+
+
+class S3Tier(SecondaryTier):
+    """Secondary tier storing one object per block in an S3 bucket (module docstring).
+
+    Args:
+        host: the primary tier's buffer.
+        mapper: the namespace (:class:`FileMapper`, shared with the fs tier).
+        bucket: the bucket (must exist).
+        endpoint_url: e.g. ``"http://127.0.0.1:9000"`` for MinIO; None = AWS.
+        region: region name; None = botocore's default.
+        prefix: key prefix (slashes at either end are ignored); ``""`` = none.
+        credentials: explicit credentials; None = the default credential chain.
+        addressing_style: ``"auto"``, ``"path"`` or ``"virtual"``.
+        max_concurrency: requests in flight and connection-pool size (``>= 1``); also the number
+            of jobs running at once.
+        connect_timeout_s, read_timeout_s: socket timeouts of one attempt, seconds.
+        max_attempts: attempts per request (first try included), ``>= 1``.
+        multipart_threshold_bytes: objects larger than this are uploaded in parts.
+        max_bytes: bound on the bytes of objects this tier knows; None = unbounded.
+        name: tier name in metrics and events (default ``"s3"``).
+        io_timeout_s: per-job deadline in seconds from submission.
+        max_queued_jobs: jobs allowed to wait; stores beyond it are refused.
+
+    Raises:
+        ConfigError: a value out of range.
+    """
+
+    def __init__(
+        self,
+        host: HostBuffer,
+        mapper: FileMapper,
+        bucket: str,
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        prefix: str = "",
+        credentials: _Credentials | None = None,
+        addressing_style: str = "auto",
+        max_concurrency: int = 16,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 30.0,
+        max_attempts: int = 3,
+        multipart_threshold_bytes: int = 8 * 1024 * 1024,
+        max_bytes: int | None = None,
+        name: str = "s3",
+        io_timeout_s: float = 30.0,
+        max_queued_jobs: int = 1024,
+    ) -> None:
+        super().__init__(
+            name,
+            host,
+            io_threads=max_concurrency,
+            io_timeout_s=io_timeout_s,
+            max_queued_jobs=max_queued_jobs,
+        )
+        if not bucket:
+            raise ConfigError("s3 tier needs a bucket")
+        if addressing_style not in ("auto", "path", "virtual"):
+            raise ConfigError(
+                f"s3 addressing_style must be auto, path or virtual, not {addressing_style!r}"
+            )
+        if max_attempts < 1 or multipart_threshold_bytes < 1:
+            raise ConfigError("s3 max_attempts and multipart_threshold_bytes must be >= 1")
+        if not connect_timeout_s > 0 or not read_timeout_s > 0:
+            raise ConfigError("s3 connect_timeout_s and read_timeout_s must be > 0")
+        if max_bytes is not None and max_bytes <= 0:
+            raise ConfigError(f"s3 tier max_bytes must be > 0, got {max_bytes}")
+        self.mapper = mapper
+        self.bucket = bucket
+        self.endpoint_url = endpoint_url
+        self.endpoint = _display_endpoint(endpoint_url, region)
+        self.region = region
+        self.prefix = prefix.strip("/")
+        self.max_bytes = max_bytes
+        self.object_bytes = file_size(host.block_bytes)
+        self.multipart_threshold_bytes = multipart_threshold_bytes
+        self.part_bytes = max(multipart_threshold_bytes, MIN_PART_BYTES)
+        self._credentials = credentials
+        self._config = AioConfig(
+            region_name=region,
+            connect_timeout=connect_timeout_s,
+            read_timeout=read_timeout_s,
+            max_pool_connections=max_concurrency,
+            retries={"total_max_attempts": max_attempts, "mode": "standard"},
+            s3={"addressing_style": addressing_style, "payload_signing_enabled": False},
+            # Bodies are _BlockBody views, which botocore's validator does not know.
+            parameter_validation=False,
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        self._sem = asyncio.Semaphore(max_concurrency)
+        self._stack = contextlib.AsyncExitStack()
+        self._client: Any = None
+        self._down_until = 0.0
+        # key → object bytes, least recently used first: the keys known to be in the bucket.
+        self._known: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self._used = 0
+        self._readers: collections.Counter[bytes] = collections.Counter()
+        self._evicting: set[bytes] = set()
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the objects in the index (0 when ``max_bytes`` is None)."""
+        return self._used
+
+    def object_key(self, key: bytes) -> str:
+        """The object key of ``key``: ``<prefix>/<relative path>`` (no ``//``, no leading ``/``)."""
+        path = self.mapper.relative_path(key)
+        return f"{self.prefix}/{path}" if self.prefix else path
+
+    # -- life cycle ----------------------------------------------------------------------
+    async def _startup(self) -> None:
+        """Create the client and check the bucket answers (``HeadBucket``).
+
+        Raises:
+            TierUnavailableError: the bucket cannot be reached; the message names bucket,
+                endpoint and the S3 error code (or the connection error's type).
+        """
+        session = aiobotocore.session.get_session()
+        kwargs = self._credentials.client_kwargs() if self._credentials else {}
+        self._client = await self._stack.enter_async_context(
+            session.create_client(
+                "s3", endpoint_url=self.endpoint_url, config=self._config, **kwargs
+            )
+        )
+        try:
+            await self._client.head_bucket(Bucket=self.bucket)
+        except _IO_ERRORS as exc:
+            raise TierUnavailableError(
+                f"s3 tier {self.name!r}: bucket {self.bucket!r} at {self.endpoint} is not "
+                f"reachable ({_error_code(exc)})"
+            ) from exc
+
+    async def _cleanup(self) -> None:
+        await self._stack.aclose()
+        self._client = None
+
+    # -- availability --------------------------------------------------------------------
+    def _available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    async def _send(self, op: str, **params: Any) -> dict[str, Any]:
+        """One S3 request (caller holds the semaphore); tracks whether the endpoint answers.
+
+        Raises:
+            TierUnavailableError: the endpoint is marked down.
+            BotoCoreError, ClientError: the request failed after botocore's retries.
+        """
+        if not self._available():
+            raise TierUnavailableError(f"s3 endpoint {self.endpoint} is down")
+        try:
+            response: dict[str, Any] = await getattr(self._client, op)(Bucket=self.bucket, **params)
+        except EndpointConnectionError:
+            if not self._down_until:
+                log.warning(
+                    "s3 tier %s: endpoint %s unreachable; lookups miss and stores are dropped "
+                    "until it answers",
+                    self.name,
+                    self.endpoint,
+                )
+            self._down_until = time.monotonic() + DOWN_RETRY_S
+            raise
+        except ClientError:
+            self._mark_up()  # the endpoint answered
+            raise
+        self._mark_up()
+        return response
+
+    def _mark_up(self) -> None:
+        if self._down_until:
+            log.info("s3 tier %s: endpoint %s answers again", self.name, self.endpoint)
+            self._down_until = 0.0
+
+    # -- index and capacity --------------------------------------------------------------
+    def _remember(self, key: bytes, size: int, reserved: bool = False) -> None:
+        """``key`` holds a ``size``-byte object and was just used: most recently used.
+
+        ``reserved``: ``size`` was already accounted by :meth:`_reserve`.
+        """
+        bounded = self.max_bytes is not None
+        if key in self._known:
+            self._known.move_to_end(key)
+            if reserved and bounded:
+                self._used -= size
+            return
+        self._known[key] = size
+        if bounded and not reserved:
+            self._used += size
+        elif not bounded and len(self._known) > MAX_KNOWN_KEYS:
+            self._known.popitem(last=False)
+
+    def _forget(self, key: bytes) -> None:
+        size = self._known.pop(key, None)
+        if size is not None and self.max_bytes is not None:
+            self._used -= size
+
+    def _reserve(self, size: int) -> list[bytes] | None:
+        """Account ``size`` more bytes, choosing LRU victims to stay within ``max_bytes``.
+
+        Returns the victims (to delete before writing), or None when ``size`` cannot fit.
+        """
+        if self.max_bytes is None:
+            return []
+        if size > self.max_bytes:
+            return None
+        need = self._used + size - self.max_bytes
+        victims = []
+        for key, nbytes in self._known.items():
+            if need <= 0:
+                break
+            if not self._readers[key]:
+                victims.append(key)
+                need -= nbytes
+        if need > 0:
+            return None
+        for key in victims:
+            self._forget(key)
+        self._evicting.update(victims)
+        self._used += size
+        return victims
+
+    async def _evict(self, victims: list[bytes]) -> None:
+        """Delete ``victims`` (already out of the index); a failed delete is logged only."""
+        results = await asyncio.gather(*(self._delete(k) for k in victims), return_exceptions=True)
+        self._evicting.difference_update(victims)
+        self.counters["evictions"] += len(victims)
+        self._events.append(OffloadingEvent(victims, self.medium, True, self.name))
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            log.warning(
+                "s3 tier %s: %d evicted objects could not be deleted (%s); they stay in the "
+                "bucket, unaccounted",
+                self.name,
+                len(failed),
+                _error_code(failed[0]),
+            )
+
+    async def _delete(self, key: bytes) -> None:
+        async with self._sem:
+            await self._send("delete_object", Key=self.object_key(key))
+
+    def _stored_event_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        if self.max_bytes is None:
+            return list(keys)
+        return [k for k in keys if k in self._known]
+
+    def touch(self, keys: Collection[bytes]) -> None:
+        """Mark known ``keys`` most recently used (spec §3.8 recency)."""
+        for key in keys:
+            if key in self._known:
+                self._known.move_to_end(key)
+
+    # -- movers (coroutines on the event loop) -------------------------------------------
+    async def _store_blocks(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
+        if not self._available():
+            self.counters["store_dropped_blocks"] += len(keys)
+            raise TransferError(f"s3 endpoint {self.endpoint} is down; store dropped")
+        return await self._each(self._store_one, "store", keys, rows)
+
+    async def _load_blocks(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
+        if not self._available():
+            raise TransferError(f"s3 endpoint {self.endpoint} is down")
+        return await self._each(self._load_one, "load", keys, rows)
+
+    async def _each(
+        self,
+        mover: Callable[[bytes, memoryview], Awaitable[int]],
+        kind: str,
+        keys: Sequence[bytes],
+        rows: Sequence[memoryview],
+    ) -> int:
+        """Run ``mover`` on every block concurrently; bytes moved.
+
+        Raises:
+            TransferError: some block failed; carries the keys that succeeded (job order).
+        """
+        results = await asyncio.gather(
+            *(mover(k, r) for k, r in zip(keys, rows, strict=True)), return_exceptions=True
+        )
+        failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+        if not failed:
+            return sum(r for r in results if isinstance(r, int))
+        i, first = failed[0]
+        if not isinstance(first, (*_IO_ERRORS, CorruptBlockError)):
+            raise first
+        bad = {j for j, _ in failed}
+        succeeded = [k for j, k in enumerate(keys) if j not in bad]
+        raise TransferError(
+            f"s3 {kind} of block {i} failed: {_error_code(first)}: {first}", succeeded
+        ) from first
+
+    async def _store_one(self, key: bytes, row: memoryview) -> int:
+        if key in self._known:
+            self._known.move_to_end(key)
+            return 0
+        size = self.object_bytes
+        victims = self._reserve(size)
+        if victims is None:
+            raise OSError(f"block object of {size} bytes does not fit in max_bytes")
+        try:
+            if victims:
+                await self._evict(victims)
+            header = memoryview(bytearray(HEADER_BYTES))
+            encode_header(key, row, header)
+            parts = [header, row, _ZEROS[: size - HEADER_BYTES - row.nbytes]]
+            object_key = self.object_key(key)
+            if size > self.multipart_threshold_bytes:
+                await self._put_multipart(object_key, parts)
+            else:
+                async with self._sem:
+                    await self._send("put_object", Key=object_key, Body=_BlockBody(parts))
+        except BaseException:
+            if self.max_bytes is not None:
+                self._used -= size
+            raise
+        self._remember(key, size, reserved=True)
+        return row.nbytes
+
+    async def _put_multipart(self, object_key: str, parts: Sequence[memoryview]) -> None:
+        """Upload in parts of ``part_bytes`` (in order); abort the upload on any failure.
+
+        Raises:
+            BotoCoreError, ClientError, TierUnavailableError: a request failed (after the abort).
+        """
+        async with self._sem:
+            upload = await self._send("create_multipart_upload", Key=object_key)
+        upload_id = upload["UploadId"]
+        try:
+            done = []
+            for number, pieces in enumerate(_split(parts, self.part_bytes), 1):
+                async with self._sem:
+                    answer = await self._send(
+                        "upload_part",
+                        Key=object_key,
+                        UploadId=upload_id,
+                        PartNumber=number,
+                        Body=_BlockBody(pieces),
+                    )
+                done.append({"ETag": answer["ETag"], "PartNumber": number})
+            async with self._sem:
+                await self._send(
+                    "complete_multipart_upload",
+                    Key=object_key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": done},
+                )
+        except BaseException:
+            await self._abort(object_key, upload_id)
+            raise
+
+    async def _abort(self, object_key: str, upload_id: str) -> None:
+        try:
+            async with self._sem:
+                await self._client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=object_key, UploadId=upload_id
+                )
+        except _IO_ERRORS as exc:
+            log.warning(
+                "s3 tier %s: could not abort the multipart upload of %s (%s); a bucket "
+                "lifecycle rule AbortIncompleteMultipartUpload removes its parts",
+                self.name,
+                object_key,
+                _error_code(exc),
+            )
+
+    async def _load_one(self, key: bytes, row: memoryview) -> int:
+        if key in self._evicting:
+            raise TierUnavailableError("block is being evicted")
+        object_key = self.object_key(key)
+        self._readers[key] += 1
+        try:
+            async with self._sem:
+                try:
+                    answer = await self._send("get_object", Key=object_key)
+                except ClientError as exc:
+                    if _is_not_found(exc):
+                        self._forget(key)
+                    raise
+                header = memoryview(bytearray(HEADER_BYTES))
+                await self._read_body(answer, object_key, [header, row])
+            check_block(key, header, row, object_key)
+        except CorruptBlockError as exc:
+            self.counters["corrupt_blocks"] += 1
+            self._forget(key)
+            log.warning("s3 tier %s: %s; object deleted, block treated as a miss", self.name, exc)
+            with contextlib.suppress(*_IO_ERRORS):
+                await self._delete(key)
+            raise
+        finally:
+            self._readers[key] -= 1
+            if not self._readers[key]:
+                del self._readers[key]
+        self._remember(key, self.object_bytes)
+        return row.nbytes
+
+    async def _read_body(
+        self, answer: dict[str, Any], object_key: str, targets: Sequence[memoryview]
+    ) -> None:
+        """Read a ``GetObject`` body into ``targets`` then the padding; the body is read to its
+        end (its connection returns to the pool) or closed (the connection is dropped).
+
+        Raises:
+            CorruptBlockError: the object is not ``object_bytes`` long.
+        """
+        body = answer["Body"]
+        complete = False
+        try:
+            length = answer.get("ContentLength")
+            if length != self.object_bytes:
+                raise CorruptBlockError(
+                    f"{object_key}: object is {length} bytes, expected {self.object_bytes}"
+                )
+            pad = self.object_bytes - sum(t.nbytes for t in targets)
+            for target in [*targets, memoryview(bytearray(pad))]:
+                filled = 0
+                while filled < target.nbytes:
+                    n = await body.readinto(target[filled:])
+                    if not n:
+                        raise CorruptBlockError(f"{object_key}: short object")
+                    filled += n
+            complete = True
+        finally:
+            if not complete:
+                body.close()
+
+    async def _probe(self, keys: Sequence[bytes]) -> list[bool]:
+        if not self._available():
+            return [False] * len(keys)
+        answers = await asyncio.gather(*(self._head(k) for k in keys), return_exceptions=True)
+        errors = [a for a in answers if isinstance(a, BaseException)]
+        if errors:
+            if not isinstance(errors[0], _IO_ERRORS):
+                raise errors[0]
+            self.counters["probe_errors"] += len(errors)
+            log.warning(
+                "s3 tier %s: %d of %d existence probes failed (%s); answering MISS",
+                self.name,
+                len(errors),
+                len(keys),
+                _error_code(errors[0]),
+            )
+        return [a is True for a in answers]
+
+    async def _head(self, key: bytes) -> bool:
+        if key in self._known:
+            self._known.move_to_end(key)
+            return True
+        try:
+            async with self._sem:
+                answer = await self._send("head_object", Key=self.object_key(key))
+        except ClientError as exc:
+            if _is_not_found(exc):
+                return False
+            raise
+        self._remember(key, int(answer.get("ContentLength") or self.object_bytes))
+        return True
+
+
+_CONFIG_KEYS = {
+    "bucket",
+    "endpoint_url",
+    "region",
+    "prefix",
+    "access_key",
+    "secret_key",
+    "session_token",
+    "addressing_style",
+    "max_concurrency",
+    "connect_timeout_s",
+    "read_timeout_s",
+    "max_attempts",
+    "multipart_threshold_bytes",
+    "max_bytes",
+    "cache_salt",
+    "name",
+    "io_timeout_s",
+    "max_queued_jobs",
+}
+_SECRET_KEYS = ("access_key", "secret_key", "session_token")
+
+
+def s3_tier_from_config(host: HostBuffer, mapper: FileMapper, cfg: dict[str, Any]) -> S3Tier:
+    """Build an s3 tier from a ``secondary_tiers`` entry (``type`` already removed).
+
+    Keys: ``bucket`` (required), ``endpoint_url`` (default AWS), ``region``, ``prefix`` (default
+    none), ``access_key`` + ``secret_key`` (+ ``session_token``) (default: the credential chain),
+    ``addressing_style`` (``auto``), ``max_concurrency`` (16), ``connect_timeout_s`` (5),
+    ``read_timeout_s`` (30), ``max_attempts`` (3), ``multipart_threshold_bytes`` (8 MiB),
+    ``max_bytes`` (unbounded), ``cache_salt`` (tenant salt folded into the namespace), ``name``
+    (``"s3"``), ``io_timeout_s`` (30 s per job), ``max_queued_jobs`` (1024).
+
+    Raises:
+        ConfigError: missing ``bucket``, an unknown key (named, never its value), a value of the
+            wrong type or range, or only one of ``access_key``/``secret_key``.
+    """
+    unknown = sorted(set(cfg) - _CONFIG_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown s3 tier keys {unknown}; known: {sorted(_CONFIG_KEYS)}")
+    for key in (
+        "bucket",
+        "endpoint_url",
+        "region",
+        "prefix",
+        "addressing_style",
+        "cache_salt",
+        "name",
+        *_SECRET_KEYS,
+    ):
+        if cfg.get(key) is not None and not isinstance(cfg[key], str):
+            shown = "a secret" if key in _SECRET_KEYS else repr(cfg[key])
+            raise ConfigError(f"s3 tier {key} must be a string, got {shown}")
+    if not cfg.get("bucket"):
+        raise ConfigError("s3 tier needs 'bucket' (the bucket name)")
+
+    def integer(key: str, default: int) -> int:
+        value = cfg.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"s3 tier {key} must be an int >= 1, got {value!r}")
+        return value
+
+    def seconds(key: str, default: float) -> float:
+        value = cfg.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"s3 tier {key} must be a number > 0 (seconds), got {value!r}")
+        return float(value)
+
+    access, secret = cfg.get("access_key"), cfg.get("secret_key")
+    if bool(access) != bool(secret):
+        raise ConfigError("s3 tier needs both access_key and secret_key, or neither")
+    credentials = _Credentials(access, secret, cfg.get("session_token")) if access else None
+    if cfg.get("cache_salt"):
+        mapper = mapper.with_salt(cfg["cache_salt"])
+    return S3Tier(
+        host,
+        mapper,
+        cfg["bucket"],
+        endpoint_url=cfg.get("endpoint_url"),
+        region=cfg.get("region"),
+        prefix=cfg.get("prefix") or "",
+        credentials=credentials,
+        addressing_style=cfg.get("addressing_style") or "auto",
+        max_concurrency=integer("max_concurrency", 16),
+        connect_timeout_s=seconds("connect_timeout_s", 5.0),
+        read_timeout_s=seconds("read_timeout_s", 30.0),
+        max_attempts=integer("max_attempts", 3),
+        multipart_threshold_bytes=integer("multipart_threshold_bytes", 8 * 1024 * 1024),
+        max_bytes=integer("max_bytes", 0) if cfg.get("max_bytes") is not None else None,
+        name=cfg.get("name") or "s3",
+        io_timeout_s=seconds("io_timeout_s", 30.0),
+        max_queued_jobs=integer("max_queued_jobs", 1024),
+    )
