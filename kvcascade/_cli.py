@@ -70,6 +70,16 @@ def _parser() -> argparse.ArgumentParser:
         help="capacity of the fs tier in bytes; least recently used files are evicted "
         "(default: unbounded)",
     )
+    rp.add_argument(
+        "--s3-bucket",
+        help="add an s3 tier on this bucket, after the fs tier (credentials: the AWS default "
+        "chain, e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)",
+    )
+    rp.add_argument(
+        "--s3-endpoint",
+        metavar="URL",
+        help="S3 endpoint of the s3 tier, e.g. http://127.0.0.1:9000 for MinIO (default: AWS)",
+    )
     rp.add_argument("--eviction-policy", help="CPU tier eviction policy (lru, …)")
     rp.add_argument("--config", help="JSON object (or @file) of kv_connector_extra_config keys")
     rp.add_argument("--json", dest="json_path", help="write the report as JSON to this path")
@@ -148,6 +158,16 @@ def build_replay_config(args: argparse.Namespace) -> CascadeConfig:
         if not fs:
             raise ConfigError("--fs-max-bytes given but no fs tier is configured (drop --no-fs)")
         fs[0]["max_bytes"] = args.fs_max_bytes
+    if args.s3_endpoint and not args.s3_bucket:
+        raise ConfigError("--s3-endpoint needs --s3-bucket")
+    if args.s3_bucket and isinstance(tiers, list):
+        s3 = [t for t in tiers if isinstance(t, dict) and t.get("type") in ("s3", "obj")]
+        if not s3:
+            s3 = [{"type": "s3"}]
+            tiers.append(s3[0])
+        s3[0]["bucket"] = args.s3_bucket
+        if args.s3_endpoint:
+            s3[0]["endpoint_url"] = args.s3_endpoint
     extra["secondary_tiers"] = tiers
     cpu_blocks = args.cpu_blocks
     if cpu_blocks is None and "cpu_bytes_to_use" not in extra and "cpu_blocks" not in extra:
