@@ -1,0 +1,742 @@
+"""The S3 tier (issue #8) against a real S3 server on loopback (``moto_server`` in its own
+process, :mod:`s3_fixtures`): vLLM's obj-tier scenarios (spec §9.12) in S3 terms, the object
+layout and format shared with the fs tier, faults injected by an HTTP proxy (throttling, latency,
+resets, stalls), pool hygiene, multipart clean-up, degradation and recovery, sharing between
+processes, and ``kvcascade replay`` with fs and s3 tiers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hashlib
+import itertools
+import json
+import logging
+import os
+import random
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import s3_fixtures
+from s3_fixtures import ACCESS_KEY, SECRET_KEY, Fault, FaultProxy, MotoServer, free_port
+
+import kvcascade as kc
+from kvcascade import LookupResult as R
+from kvcascade._cli import main
+from kvcascade._replay import replay
+from kvcascade._trace import TraceRequest
+from kvcascade.tiers._file_mapper import FileMapper, default_identity
+from kvcascade.tiers.fs import HEADER_BYTES, FileSystemTier, file_size
+from kvcascade.tiers.registry import TierContext, create_secondary_tier
+from kvcascade.tiers.s3 import S3Tier, s3_tier_from_config
+
+moto = s3_fixtures.moto  # the session's moto_server process
+bucket = s3_fixtures.bucket  # a fresh bucket on it
+
+REPO = Path(__file__).resolve().parent.parent
+BLOCK = 5000  # not a multiple of 4096: exercises the padding
+_job_ids = itertools.count()
+
+
+def key(i: int, group: int = 0) -> bytes:
+    return kc.make_offload_key(hashlib.sha256(str(i).encode()).digest()[:16], group)
+
+
+def pattern(i: int, n: int = BLOCK) -> bytes:
+    return random.Random(i).randbytes(n)
+
+
+def tier_config(endpoint: str, bucket: str, **kw: Any) -> dict[str, Any]:
+    return {
+        "bucket": bucket,
+        "endpoint_url": endpoint,
+        "region": "us-east-1",
+        "access_key": ACCESS_KEY,
+        "secret_key": SECRET_KEY,
+        "addressing_style": "path",
+        **kw,
+    }
+
+
+def make_tier(
+    endpoint: str, bucket: str, host: kc.HostBuffer, fields: dict[str, Any] | None = None, **kw: Any
+) -> S3Tier:
+    mapper = FileMapper(default_identity(**(fields or {})))
+    return s3_tier_from_config(host, mapper, tier_config(endpoint, bucket, **kw))
+
+
+@contextlib.asynccontextmanager
+async def running(*tiers: kc.SecondaryTier) -> AsyncIterator[None]:
+    """Run the tiers' actors (as ``open_cascade`` does); drain and stop them on exit."""
+    actors = []
+    for tier in tiers:
+        started = asyncio.Event()
+        actors.append(asyncio.create_task(tier.run(started.set)))
+        await started.wait()
+    try:
+        yield
+    finally:
+        for tier in tiers:
+            await tier.drain()
+            tier.close()
+        await asyncio.gather(*actors)
+
+
+@pytest.fixture
+def host() -> Iterator[kc.HostBuffer]:
+    buf = kc.HostBuffer(16, BLOCK)
+    yield buf
+    buf.close()
+
+
+def job(keys: list[bytes], slots: list[int], promotion: bool) -> kc.TransferJob:
+    return kc.TransferJob(next(_job_ids), keys, np.asarray(slots, dtype=np.int64), promotion)
+
+
+async def store(
+    tier: S3Tier, host: kc.HostBuffer, ids: list[int], slots: list[int] | None = None
+) -> kc.JobResult:
+    slots = slots if slots is not None else list(range(len(ids)))
+    for i, slot in zip(ids, slots, strict=True):
+        host.row(slot)[:] = pattern(i, host.block_bytes)
+    return await tier.submit_store(job([key(i) for i in ids], slots, False))
+
+
+async def load(tier: S3Tier, ids: list[int], slots: list[int]) -> kc.JobResult:
+    return await tier.submit_load(job([key(i) for i in ids], slots, True))
+
+
+async def lookups(tier: S3Tier, keys: list[bytes], ctx: kc.ReqContext) -> list[R]:
+    """The async-lookup cycle (spec §3.12): RETRY, flush at schedule end, then the verdicts."""
+    first = [tier.lookup(k, ctx) for k in keys]
+    if R.RETRY in first:
+        tier.on_schedule_end(kc.ScheduleEndContext())
+        await tier._lookup.wait_probes()
+    return [tier.lookup(k, ctx) for k in keys]
+
+
+def fresh(tier: S3Tier) -> S3Tier:
+    """Forget what the tier knows, so the next lookup asks the bucket."""
+    tier._known.clear()
+    return tier
+
+
+# -- spec §9.12 in S3 terms -----------------------------------------------------------------
+async def test_lookup_store_roundtrip_and_unrelated_key(
+    moto: MotoServer, bucket: str, host: kc.HostBuffer
+) -> None:
+    """§9.12 226–229: empty tier MISS; store then HIT (also for a fresh tier asking the bucket);
+    another key MISS; the load returns the stored bytes."""
+    tier = make_tier(moto.endpoint, bucket, host)
+    async with running(tier):
+        assert await lookups(tier, [key(0)], kc.ReqContext("a")) == [R.MISS]
+        assert (await store(tier, host, [1])).success
+        assert await lookups(tier, [key(1), key(2)], kc.ReqContext("b")) == [R.HIT, R.MISS]
+        assert await fresh(tier).contains([key(1), key(2)]) == [True, False]
+        result = await load(tier, [1], [5])
+        assert result.success and result.transfer_size == BLOCK
+        assert bytes(host.row(5)) == pattern(1)
+
+
+async def test_independent_jobs_multi_block_and_partial_lookup(
+    moto: MotoServer, bucket: str, host: kc.HostBuffer
+) -> None:
+    """§9.12 230, 235, 236: two jobs both succeed; an 8-block store makes all 8 HIT; a lookup
+    over stored and unstored keys answers per key."""
+    tier = make_tier(moto.endpoint, bucket, host)
+    async with running(tier):
+        a, b = await asyncio.gather(store(tier, host, [0, 1], [0, 1]), store(tier, host, [2], [2]))
+        assert a.success and b.success and a.job_id != b.job_id
+        assert (await store(tier, host, list(range(10, 18)), list(range(3, 11)))).success
+        fresh(tier)
+        got = await lookups(tier, [key(i) for i in range(10, 20)], kc.ReqContext("r"))
+        assert got == [R.HIT] * 8 + [R.MISS] * 2
+        assert {r.job_id for r in tier.get_finished_jobs()} >= {a.job_id, b.job_id}
+
+
+async def test_object_key_and_format_are_the_fs_tiers(
+    moto: MotoServer, bucket: str, host: kc.HostBuffer, tmp_path: Path
+) -> None:
+    """Object key = ``prefix/`` + the fs relative path (no ``//``); the object is the fs block
+    file byte for byte: an fs tier serves a downloaded object, the s3 tier an uploaded file."""
+    fields = {"tp_size": 2, "parallel_agnostic": True, "config_replicated": True}
+    mapper = FileMapper(default_identity(**fields))
+    tier = make_tier(moto.endpoint, bucket, host, fields=fields, prefix="/team/kv/")
+    fs = FileSystemTier(host, tmp_path, mapper)
+    client = moto.client()
+    async with running(tier, fs):
+        assert (await store(tier, host, [7])).success
+        name = f"team/kv/{mapper.relative_path(key(7))}"
+        assert tier.object_key(key(7)) == name and "//" not in name
+        assert [o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]] == [name]
+        blob = client.get_object(Bucket=bucket, Key=name)["Body"].read()
+        assert len(blob) == file_size(BLOCK) and blob[HEADER_BYTES:][:BLOCK] == pattern(7)
+        path = Path(fs.path_of(key(7)))
+        path.parent.mkdir(parents=True)
+        path.write_bytes(blob)
+        assert (await fs.submit_load(job([key(7)], [9], True))).success
+        assert bytes(host.row(9)) == pattern(7)
+        # and the other way: an fs block file uploaded under the object key is served by s3
+        host.row(1)[:] = pattern(8)
+        assert (await fs.submit_store(job([key(8)], [1], False))).success
+        client.put_object(
+            Bucket=bucket, Key=tier.object_key(key(8)), Body=Path(fs.path_of(key(8))).read_bytes()
+        )
+        assert (await fresh(tier).submit_load(job([key(8)], [10], True))).success
+        assert bytes(host.row(10)) == pattern(8)
+
+
+async def test_failed_load_is_reported_and_marks_the_verdict_negative(
+    moto: MotoServer, bucket: str, host: kc.HostBuffer
+) -> None:
+    """§9.12 231, 232: a cached HIT, the object deleted behind the tier's back: the promotion
+    fails and the same request now sees MISS; a load of a never-stored key fails."""
+    tier = make_tier(moto.endpoint, bucket, host)
+    async with running(tier):
+        assert (await store(tier, host, [1])).success
+        ctx = kc.ReqContext("r")
+        assert await lookups(tier, [key(1)], ctx) == [R.HIT]
+        moto.client().delete_object(Bucket=bucket, Key=tier.object_key(key(1)))
+        result = await load(tier, [1], [3])
+        assert not result.success and "NoSuchKey" in (result.error or "")
+        assert tier.lookup(key(1), ctx) == R.MISS
+        assert not (await load(tier, [99], [4])).success
+        assert tier.counters["load_failures"] == 2
+
+
+async def test_partial_batch_reports_the_keys_that_loaded(
+    moto: MotoServer, bucket: str, host: kc.HostBuffer
+) -> None:
+    """A load batch with a missing block fails and lists exactly the keys that did load."""
+    tier = make_tier(moto.endpoint, bucket, host)
+    async with running(tier):
+        assert (await store(tier, host, [0, 2], [0, 1])).success
+        result = await load(tier, [0, 1, 2], [5, 6, 7])
+        assert not result.success
+        assert set(result.successful_keys or ()) == {key(0), key(2)}
+        assert bytes(host.row(5)) == pattern(0) and bytes(host.row(7)) == pattern(2)
+
+
+async def test_pending_job_not_reported_until_done_and_drain_waits(
+    moto: MotoServer, bucket: str, host: kc.HostBuffer
+) -> None:
+    """§9.12 233, 234: a job in flight is not in get_finished_jobs; drain waits for it and its
+    result is kept for the next get_finished_jobs."""
+    async with FaultProxy(moto.port) as proxy:
+        proxy.faults.append(Fault("delay", lambda m, t: m == "PUT", seconds=0.3))
+        tier = make_tier(proxy.endpoint, bucket, host)
+        async with running(tier):
+            for i in range(2):
+                host.row(i)[:] = pattern(i)
+            tier.submit_store(job([key(0), key(1)], [0, 1], False))
+            assert tier.has_pending_work() and tier.get_finished_jobs() == []
+            await tier.drain()
+            assert not tier.has_pending_work()
+            assert [r.success for r in tier.get_finished_jobs()] == [True]
+            assert tier.get_finished_jobs() == []
+
+
+async def test_submission_failures_and_successes_are_both_reported(
+    moto: MotoServer, bucket: str, host: kc.HostBuffer
+) -> None:
+    """§9.12 238–241: a job that cannot start (slot outside the primary tier) fails at once;
+    it and an in-flight success are both reported, once each."""
+    tier = make_tier(moto.endpoint, bucket, host)
+    async with running(tier):
+        bad_store = tier.submit_store(job([key(0)], [host.num_blocks], False))
+        bad_load = tier.submit_load(job([key(0)], [host.num_blocks + 3], True))
+        good = await store(tier, host, [1])
+        assert good.success and not (await bad_store).success and not (await bad_load).success
+        results = tier.get_finished_jobs()
+        assert sorted(r.success for r in results) == [False, False, True]
+
+
+async def test_shutdown_with_jobs_in_flight_and_idempotent_close(
+    moto: MotoServer, bucket: str, host: kc.HostBuffer
+) -> None:
+    """§9.12 245, 246: closing with a store in flight lets it finish, fails queued work, closes
+    the client; closing again is harmless and later submits raise TierUnavailableError."""
+    async with FaultProxy(moto.port) as proxy:
+        proxy.faults.append(Fault("delay", lambda m, t: m == "PUT", seconds=0.3))
+        tier = make_tier(proxy.endpoint, bucket, host, max_concurrency=1)
+        started = asyncio.Event()
+        actor = asyncio.create_task(tier.run(started.set))
+        await started.wait()
+        host.row(0)[:] = pattern(0)
+        first = tier.submit_store(job([key(0)], [0], False))
+        queued = tier.submit_store(job([key(1)], [1], False))
+        await asyncio.sleep(0.05)
+        tier.close()
+        tier.close()
+        await asyncio.wait_for(actor, 10)
+        assert (await first).success and not (await queued).success
+        assert tier._client is None
+        with pytest.raises(kc.TierUnavailableError):
+            tier.submit_store(job([key(2)], [2], False))
+
+
+async def test_events_only_for_successful_stores(
+    moto: MotoServer, bucket: str, host: kc.HostBuffer
+) -> None:
+    """§9.12 247–252: a successful store emits one stored event (STORAGE, tier name, the job's
+    keys); loads, failed stores and submission failures emit none."""
+    async with FaultProxy(moto.port) as proxy:
+        tier = make_tier(proxy.endpoint, bucket, host, name="bucket", max_attempts=1)
+        async with running(tier):
+            assert (await store(tier, host, [0, 1])).success
+            assert (await load(tier, [0], [5])).success
+            proxy.faults.append(Fault("error", lambda m, t: m == "PUT"))
+            assert not (await store(tier, host, [2])).success
+            assert not (await tier.submit_store(job([key(3)], [99], False))).success
+            events = list(tier.take_events())
+            assert events == [
+                kc.OffloadingEvent([key(0), key(1)], kc.Medium.STORAGE, False, "bucket")
+            ]
+
+
+def test_config_keys_aliases_and_no_secret_anywhere(
+    host: kc.HostBuffer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """§9.12 255–258 in kvcascade terms: ``obj`` is an alias; unknown keys, a missing bucket,
+    a half credential pair and bad values are ConfigErrors; no secret in repr or messages."""
+    ctx = TierContext(host, default_identity())
+    tier = create_secondary_tier({"type": "obj", **tier_config("http://x:1", "b")}, ctx)
+    assert isinstance(tier, S3Tier) and tier.name == "obj"
+    assert SECRET_KEY not in repr(tier) and SECRET_KEY not in repr(vars(tier))
+    mapper = FileMapper(default_identity())
+    for cfg, message in [
+        ({"bucket": "b", "secret": "x"}, "unknown s3 tier keys \\['secret'\\]"),
+        ({}, "needs 'bucket'"),
+        ({"bucket": "b", "secret_key": SECRET_KEY}, "both access_key and secret_key"),
+        ({"bucket": "b", "max_concurrency": 0}, "max_concurrency"),
+        ({"bucket": "b", "read_timeout_s": -1}, "read_timeout_s"),
+        ({"bucket": "b", "addressing_style": "sideways"}, "addressing_style"),
+        ({"bucket": "b", "access_key": "a", "secret_key": 5}, "must be a string, got a secret"),
+    ]:
+        with pytest.raises(kc.ConfigError, match=message) as info:
+            s3_tier_from_config(host, mapper, cfg)
+        assert SECRET_KEY not in str(info.value)
+    assert SECRET_KEY not in caplog.text
+
+
+async def test_startup_probe_names_bucket_endpoint_and_code(
+    moto: MotoServer, host: kc.HostBuffer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A missing bucket or a dead endpoint stops the tier at start with an error naming the
+    bucket, the endpoint and the S3 error code — never the secret."""
+    caplog.set_level(logging.DEBUG, logger="kvcascade")
+    dead = f"http://127.0.0.1:{free_port()}"
+    for endpoint, code in [(moto.endpoint, "404"), (dead, "EndpointConnectionError")]:
+        tier = make_tier(endpoint, "no-such-bucket", host, max_attempts=1)
+        with pytest.raises(kc.TierUnavailableError) as info:
+            await asyncio.wait_for(tier.run(), 20)
+        text = str(info.value)
+        assert "no-such-bucket" in text and endpoint in text and code in text
+        assert SECRET_KEY not in text and tier._client is None
+    assert SECRET_KEY not in caplog.text
+
+
+async def test_corrupt_object_is_deleted_and_counted(
+    moto: MotoServer, bucket: str, host: kc.HostBuffer
+) -> None:
+    """A flipped payload byte fails the checksum: block failed, object deleted, counted; a
+    truncated object fails its length check the same way."""
+    tier = make_tier(moto.endpoint, bucket, host)
+    client = moto.client()
+    async with running(tier):
+        assert (await store(tier, host, [0, 1], [0, 1])).success
+        for i, damage in [(0, "flip"), (1, "truncate")]:
+            name = tier.object_key(key(i))
+            blob = bytearray(client.get_object(Bucket=bucket, Key=name)["Body"].read())
+            if damage == "flip":
+                blob[HEADER_BYTES + 10] ^= 1
+            else:
+                del blob[-4096:]
+            client.put_object(Bucket=bucket, Key=name, Body=bytes(blob))
+            assert not (await load(tier, [i], [5])).success
+        assert tier.counters["corrupt_blocks"] == 2
+        assert client.list_objects_v2(Bucket=bucket).get("KeyCount") == 0
+
+
+async def test_max_bytes_evicts_least_recently_used_objects(
+    moto: MotoServer, bucket: str, host: kc.HostBuffer
+) -> None:
+    """With room for 3 objects, a 4th store deletes the LRU one (a load refreshed another);
+    the removal is an event and counted."""
+    tier = make_tier(moto.endpoint, bucket, host, max_bytes=3 * file_size(BLOCK))
+    async with running(tier):
+        for i in range(3):
+            assert (await store(tier, host, [i], [i])).success
+        assert (await load(tier, [0], [8])).success  # 0 becomes most recent: 1 is the LRU
+        assert (await store(tier, host, [3], [3])).success
+        names = {o["Key"] for o in moto.client().list_objects_v2(Bucket=bucket)["Contents"]}
+        assert names == {tier.object_key(key(i)) for i in (0, 2, 3)}
+        assert tier.counters["evictions"] == 1 and tier.used_bytes == 3 * file_size(BLOCK)
+        removed = [e for e in tier.take_events() if e.removed]
+        assert removed == [kc.OffloadingEvent([key(1)], kc.Medium.STORAGE, True, "s3")]
+
+
+# -- faults through the proxy ---------------------------------------------------------------
+async def test_slowdown_is_retried_then_succeeds(
+    moto: MotoServer, bucket: str, host: kc.HostBuffer
+) -> None:
+    """503 SlowDown twice on the PUT and once on the GET: botocore's retries absorb them."""
+    async with FaultProxy(moto.port) as proxy:
+        tier = make_tier(proxy.endpoint, bucket, host, max_attempts=3)
+        async with running(tier):
+            proxy.faults.append(Fault("slowdown", lambda m, t: m == "PUT", times=2))
+            proxy.faults.append(Fault("slowdown", lambda m, t: m == "GET", times=1))
+            assert (await store(tier, host, [0])).success
+            assert (await load(tier, [0], [3])).success and bytes(host.row(3)) == pattern(0)
+            assert [m for m, _ in proxy.requests if m in ("PUT", "GET")] == ["PUT"] * 3 + [
+                "GET"
+            ] * 2
+
+
+async def test_latency_beyond_the_read_timeout_fails_at_the_deadline(
+    moto: MotoServer, bucket: str, host: kc.HostBuffer
+) -> None:
+    """A GET answered after 5 s with a 0.3 s read timeout and a 1 s job deadline: the job fails
+    at its deadline (abandoned), then its rows are released; the next load works."""
+    async with FaultProxy(moto.port) as proxy:
+        tier = make_tier(proxy.endpoint, bucket, host, read_timeout_s=0.3, io_timeout_s=1.0)
+        async with running(tier):
+            assert (await store(tier, host, [0])).success
+            proxy.faults.append(Fault("delay", lambda m, t: m == "GET", times=3, seconds=5))
+            start = time.monotonic()
+            result = await load(tier, [0], [3])
+            assert not result.success and result.abandoned
+            assert 0.9 < time.monotonic() - start < 2.5
+            assert tier.counters["timeouts"] == 1
+            for _ in range(100):
+                if any(r.released for r in tier.get_finished_jobs()):
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                raise AssertionError("no released result")
+            assert tier.counters["stuck_threads"] == 0
+            proxy.faults.clear()
+            assert (await load(tier, [0], [4])).success
+
+
+async def test_connection_reset_mid_body_fails_the_load_cleanly(
+    moto: MotoServer, bucket: str, host: kc.HostBuffer
+) -> None:
+    """A TCP reset half way through the GET body: the load fails (not abandoned: its rows are
+    free), the same request then sees MISS, a new request HIT, and a retry loads the block."""
+    async with FaultProxy(moto.port) as proxy:
+        tier = make_tier(proxy.endpoint, bucket, host, max_attempts=1)
+        async with running(tier):
+            assert (await store(tier, host, [0])).success
+            ctx = kc.ReqContext("r")
+            assert await lookups(tier, [key(0)], ctx) == [R.HIT]
+            proxy.faults.append(Fault("reset", lambda m, t: m == "GET", times=1))
+            result = await load(tier, [0], [3])
+            assert not result.success and not result.abandoned
+            assert tier.lookup(key(0), ctx) == R.MISS
+            tier.on_request_finished(ctx)
+            assert await lookups(tier, [key(0)], kc.ReqContext("s")) == [R.HIT]
+            assert (await load(tier, [0], [4])).success and bytes(host.row(4)) == pattern(0)
+
+
+async def test_cancelled_half_read_bodies_do_not_exhaust_the_pool(
+    moto: MotoServer, bucket: str, host: kc.HostBuffer
+) -> None:
+    """10 × max_concurrency loads stall half way through their bodies and are cancelled at their
+    deadline; every connection is closed, and a normal load still completes in time."""
+    concurrency = 2
+    async with FaultProxy(moto.port) as proxy:
+        tier = make_tier(
+            proxy.endpoint, bucket, host, max_concurrency=concurrency, io_timeout_s=0.5
+        )
+        async with running(tier):
+            assert (await store(tier, host, [0, 1], [0, 1])).success
+            stalled = tier.object_key(key(0))
+            proxy.faults.append(Fault("stall", lambda m, t: m == "GET" and stalled in t))
+            for _ in range(10):
+                wave = [load(tier, [0], [2 + i]) for i in range(concurrency)]
+                assert not any(r.success for r in await asyncio.gather(*wave))
+            assert proxy.faults[0].hits == 10 * concurrency
+            start = time.monotonic()
+            result = await load(tier, [1], [12])
+            assert result.success and time.monotonic() - start < 0.5
+            assert bytes(host.row(12)) == pattern(1)
+
+
+async def test_multipart_failure_after_the_first_part_leaves_no_upload(
+    moto: MotoServer, bucket: str
+) -> None:
+    """A 6 MiB block goes up in two parts; part 2 failing (500, no retry) or stalling past the
+    deadline (cancellation) aborts the upload: ListMultipartUploads stays empty; without faults
+    the object arrives whole."""
+    block = 6 * 1024 * 1024
+    big = kc.HostBuffer(2, block)
+    client = moto.client()
+    try:
+        async with FaultProxy(moto.port) as proxy:
+            tier = make_tier(
+                proxy.endpoint,
+                bucket,
+                big,
+                max_attempts=1,
+                io_timeout_s=2.0,
+                multipart_threshold_bytes=1024 * 1024,
+            )
+            async with running(tier):
+                part2 = "partNumber=2"
+                proxy.faults.append(Fault("error", lambda m, t: m == "PUT" and part2 in t, times=1))
+                assert not (await store(tier, big, [0], [0])).success
+                assert client.list_multipart_uploads(Bucket=bucket).get("Uploads") is None
+                proxy.faults.append(Fault("delay", lambda m, t: part2 in t, times=1, seconds=4))
+                result = await store(tier, big, [1], [0])
+                assert not result.success and result.abandoned
+                while not any(r.released for r in tier.get_finished_jobs()):
+                    await asyncio.sleep(0.05)
+                assert client.list_multipart_uploads(Bucket=bucket).get("Uploads") is None
+                assert (await store(tier, big, [2], [0])).success
+                assert (await load(tier, [2], [1])).success
+                assert bytes(big.row(1)) == pattern(2, block)
+        assert client.list_objects_v2(Bucket=bucket)["KeyCount"] == 1
+    finally:
+        big.close()
+
+
+# -- degradation, sharing, replay -----------------------------------------------------------
+@pytest.fixture
+def killable(tmp_path: Path) -> Iterator[MotoServer]:
+    """A moto server of its own, to be killed and restarted on the same port."""
+    server = MotoServer(tmp_path / "moto.log")
+    server.start()
+    yield server
+    server.stop()
+
+
+def restart(server: MotoServer, bucket: str) -> None:
+    """Start a killed server again on its port and recreate the (lost) bucket."""
+    server.start()
+    server.client().create_bucket(Bucket=bucket)
+
+
+async def test_endpoint_down_degrades_then_resumes_without_restart(
+    killable: MotoServer, host: kc.HostBuffer
+) -> None:
+    """Server killed: lookups MISS, stores dropped and counted, loads fail — all quickly;
+    server back: the same tier stores and loads again."""
+    killable.client().create_bucket(Bucket="kvc-down")
+    tier = make_tier(killable.endpoint, "kvc-down", host, max_attempts=2, io_timeout_s=5.0)
+    async with running(tier):
+        assert (await store(tier, host, [0])).success
+        killable.kill()
+        start = time.monotonic()
+        assert not (await store(tier, host, [1], [1])).success
+        assert await fresh(tier).contains([key(0)]) == [False]
+        assert not (await store(tier, host, [2], [2])).success
+        assert not (await load(tier, [0], [3])).success
+        assert time.monotonic() - start < 4.0
+        assert tier.counters["store_dropped_blocks"] >= 1
+        await asyncio.to_thread(restart, killable, "kvc-down")
+        await asyncio.sleep(1.1)  # the endpoint is left alone for DOWN_RETRY_S
+        assert (await store(tier, host, [4], [4])).success
+        assert await fresh(tier).contains([key(4)]) == [True]
+        assert (await load(tier, [4], [5])).success and bytes(host.row(5)) == pattern(4)
+
+
+def conversations(requests: int, chats: int = 6) -> list[TraceRequest]:
+    """A small multi-turn trace: ``chats`` conversations served round-robin, each turn one block
+    longer than the last, so that a conversation comes back after the small GPU, CPU and fs
+    tiers of :func:`replay_config` have dropped its blocks and only s3 still holds them."""
+    out = []
+    for i in range(requests):
+        chat, turn = i % chats, i // chats
+        ids = tuple(chat * 1000 + j for j in range(turn + 2))
+        out.append(TraceRequest(i, i, len(ids) * 512, ids))
+    return out
+
+
+def replay_config(s3: dict[str, Any], fs_dir: Path) -> kc.CascadeConfig:
+    return kc.CascadeConfig(
+        block_bytes=4096,
+        gpu_blocks=16,
+        cpu_blocks=8,
+        secondary_tiers=[
+            {"type": "fs", "root_dir": str(fs_dir), "max_bytes": 4 * file_size(4096)},
+            {"type": "s3", **s3},
+        ],
+        pending_write_timeout_s=30.0,
+    )
+
+
+async def test_server_killed_and_restarted_during_a_replay(
+    killable: MotoServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replay through fs + s3, the server killed after 30 requests and started again (empty)
+    after 50: the replay never hangs and every loaded block is byte-exact; s3 stores are dropped
+    while it is down, and after the restart s3 stores again and serves hits (blocks stored since
+    the restart: the killed server lost the others)."""
+    killable.client().create_bucket(Bucket="kvc-replay")
+    s3 = tier_config(killable.endpoint, "kvc-replay", max_attempts=2, io_timeout_s=5.0)
+    tiers: list[S3Tier] = []
+    build = kc.Cascade.__init__
+
+    def capture(self: kc.Cascade, config: kc.CascadeConfig) -> None:
+        build(self, config)
+        tiers.extend(t for t in self.tiers if isinstance(t, S3Tier))
+
+    monkeypatch.setattr(kc.Cascade, "__init__", capture)
+    marks: dict[str, collections.Counter[str]] = {}
+    restarting: list[asyncio.Task[None]] = []
+    done = 0
+
+    def progress(n: int) -> None:
+        nonlocal done
+        done += n
+        if done == 30:
+            killable.kill()
+            marks["killed"] = collections.Counter(tiers[0].counters)
+        elif done == 50:
+            marks["down"] = collections.Counter(tiers[0].counters)
+            restart_task = asyncio.to_thread(restart, killable, "kvc-replay")
+            restarting.append(asyncio.get_running_loop().create_task(restart_task))
+        elif done == 60:
+            marks["back"] = collections.Counter(tiers[0].counters)
+
+    report = await asyncio.wait_for(
+        replay(conversations(90), replay_config(s3, tmp_path), progress), 60
+    )
+    await asyncio.gather(*restarting)
+    assert report.requests == 90 and report.mismatched_blocks == 0
+    killed, down, back, end = marks["killed"], marks["down"], marks["back"], tiers[0].counters
+    assert down["store_dropped_blocks"] > killed["store_dropped_blocks"]
+    assert down["store_bytes"] == killed["store_bytes"]
+    assert end["store_bytes"] > back["store_bytes"] and end["load_bytes"] > back["load_bytes"]
+    assert report.hit_blocks["s3"] > 0
+
+
+_SHARE_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    import torch
+    import kvcascade as kc
+
+    async def main():
+        config = kc.CascadeConfig(**json.loads(sys.argv[1]))
+        keys = [bytes.fromhex(k) for k in json.loads(sys.argv[2])]
+        payload = bytearray.fromhex(sys.argv[3])
+        async with kc.open_cascade(config) as cascade:
+            kv = cascade.device.kv
+            kv[: len(keys)] = torch.frombuffer(payload, dtype=torch.int8).view(len(keys), -1)
+            ctx = kc.ReqContext("a")
+            cascade.coordinator.on_new_request(ctx)
+            stored = await cascade.store(keys, ctx, list(range(len(keys))))
+            cascade.finish_request(ctx)
+            await cascade.wait_cascades()
+            ok = all(t.counters["store_jobs"] and not t.counters["store_failures"]
+                     for t in cascade.tiers)
+        sys.exit(0 if ok and len(stored.stored) == len(keys) else 1)
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_two_processes_share_blocks_unless_namespace_or_salt_differ(
+    moto: MotoServer, bucket: str, tmp_path: Path
+) -> None:
+    """Process A stores 3 blocks through its own coordinator-side tier; in this process a cascade
+    with the same namespace finds them in s3 and loads them byte-exact; another model name or a
+    cache_salt sees none of them."""
+    ids = [101, 102, 103]
+    payload = b"".join(pattern(i) for i in ids)
+    base = {
+        "block_bytes": BLOCK,
+        "gpu_blocks": 8,
+        "cpu_blocks": 8,
+        "secondary_tiers": [{"type": "s3", **tier_config(moto.endpoint, bucket)}],
+    }
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _SHARE_SCRIPT,
+        json.dumps(base),
+        json.dumps([key(i).hex() for i in ids]),
+        payload.hex(),
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert await asyncio.wait_for(proc.wait(), 60) == 0
+
+    async def found(**identity: Any) -> tuple[int, list[str]]:
+        config = kc.CascadeConfig(**json.loads(json.dumps(base)), **identity)
+        async with kc.open_cascade(config) as cascade:
+            ctx = kc.ReqContext("b")
+            hits = await cascade.lookup_prefix([key(i) for i in ids], ctx)
+            if hits.num_hits:
+                result = await cascade.load(hits.keys, ctx, list(range(hits.num_hits)))
+                assert result.loaded == 3
+                got = cascade.device.kv[:3].cpu().numpy().view(np.uint8).tobytes()
+                assert got == payload
+            cascade.finish_request(ctx)
+            return hits.num_hits, hits.tiers
+
+    assert (await found())[:2] == (3, ["s3"] * 3)
+    assert (await found(model_name="another-model"))[0] == 0
+    assert (await found(cache_salt="tenant-b"))[0] == 0
+
+
+def test_cli_replay_with_fs_and_s3(
+    moto: MotoServer,
+    bucket: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``kvcascade replay --s3-endpoint … --s3-bucket …`` (credentials from the environment)
+    runs fs + s3 and reports s3 hits and traffic in the table and the JSON."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(
+        "".join(json.dumps({"hash_ids": list(r.hash_ids)}) + "\n" for r in conversations(48))
+    )
+    out = tmp_path / "r.json"
+    fs_small = {"secondary_tiers": [{"type": "fs", "max_bytes": 4 * file_size(4096)}]}
+    code = main(
+        [
+            "replay",
+            str(trace),
+            "--block-bytes",
+            "4096",
+            "--cpu-blocks",
+            "8",
+            "--gpu-blocks",
+            "16",
+            "--fs-dir",
+            str(tmp_path / "fs"),
+            "--config",
+            json.dumps(fs_small),
+            "--s3-endpoint",
+            moto.endpoint,
+            "--s3-bucket",
+            bucket,
+            "--json",
+            str(out),
+            "--quiet",
+        ]
+    )
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["hit_blocks"]["s3"] > 0
+    assert report["bytes"]["cpu_to_s3"] > 0 and report["bytes"]["s3_to_cpu"] > 0
+    assert report["mismatched_blocks"] == 0
+    table = capsys.readouterr().out
+    assert "hit blocks: s3" in table and "bytes cpu → s3" in table
+    assert SECRET_KEY not in out.read_text() and SECRET_KEY not in table
