@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +46,15 @@ def _positive_int(name: str, value: Any, *, allow_zero: bool = False) -> int:
     return value
 
 
-@dataclass
+_SECRET_KEYS = frozenset({"access_key", "secret_key", "session_token"})
+
+
+def redact(tier: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a tier entry with credentials replaced by ``"***"`` (for logs and reports)."""
+    return {k: "***" if k in _SECRET_KEYS and v else v for k, v in tier.items()}
+
+
+@dataclass(repr=False)
 class CascadeConfig:
     """Everything :func:`kvcascade.open_cascade` needs.
 
@@ -70,7 +79,7 @@ class CascadeConfig:
     cpu_blocks: int | None = None
     cpu_bytes_to_use: int | None = None
     eviction_policy: str = "lru"
-    secondary_tiers: list[dict[str, Any]] = field(default_factory=list)
+    secondary_tiers: list[dict[str, Any]] = field(default_factory=list, repr=False)
     model_name: str = "kvcascade-replay"
     cache_salt: str | None = None
     enable_events: bool = True
@@ -106,6 +115,13 @@ class CascadeConfig:
             if name in names or name in ("gpu", "cpu"):
                 raise ConfigError(f"secondary tier name {name!r} is used twice or reserved")
             names.add(name)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(
+            f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.repr
+        )
+        tiers = [redact(t) for t in self.secondary_tiers]
+        return f"CascadeConfig({fields}, secondary_tiers={tiers!r})"
 
     @property
     def num_cpu_blocks(self) -> int:

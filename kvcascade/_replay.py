@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._config import CascadeConfig
+from ._config import CascadeConfig, redact
 from ._errors import ConfigError
 from ._keys import make_offload_key
 from ._trace import TraceRequest
@@ -246,7 +246,7 @@ def _describe(config: CascadeConfig) -> dict[str, Any]:
         "gpu_blocks": config.gpu_blocks,
         "cpu_blocks": config.num_cpu_blocks,
         "eviction_policy": config.eviction_policy,
-        "secondary_tiers": [dict(t) for t in config.secondary_tiers],
+        "secondary_tiers": [redact(t) for t in config.secondary_tiers],
     }
 
 

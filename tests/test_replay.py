@@ -272,3 +272,13 @@ def test_fs_max_bytes_bounds_the_fs_tier(tmp_path: Path) -> None:
 def test_fs_max_bytes_needs_an_fs_tier(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", "--requests", "2", "--no-fs", "--fs-max-bytes", "100"]) == 2
     assert "--fs-max-bytes" in capsys.readouterr().err
+
+
+def test_credentials_never_reach_reports_or_reprs() -> None:
+    """S3 credentials given in config are redacted in the config repr and the replay report."""
+    from kvcascade._replay import _describe
+
+    config = CascadeConfig(cpu_blocks=1, secondary_tiers=[{"type": "memory"}])
+    config.secondary_tiers.append({"type": "s3", "secret_key": "hunter2", "access_key": "AK"})
+    assert "hunter2" not in repr(config) and "AK'" not in repr(config)
+    assert "hunter2" not in json.dumps(_describe(config))
