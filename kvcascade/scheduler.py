@@ -273,6 +273,7 @@ class _ReqState:
     jobs: set[int] = field(default_factory=set)
     deferred_since: float | None = None
     finished_signaled: bool = False
+    load_failed: bool = False  # a load failed: the engine recomputes; never offer hits again
 
 
 @dataclass
@@ -350,6 +351,10 @@ class OffloadScheduler:
     def num_tracked_requests(self) -> int:
         """Requests with state."""
         return len(self._reqs)
+
+    def is_tracked(self, req_id: str) -> bool:
+        """True if the request has state (seen by :meth:`on_new_request`, not yet dropped)."""
+        return req_id in self._reqs
 
     def request_jobs(self, req_id: str) -> set[int]:
         """Ids of the request's jobs in flight (empty if unknown)."""
@@ -487,7 +492,7 @@ class OffloadScheduler:
             return None, False
         self._update_keys(st)
         st.num_computed = num_computed
-        if st.req.skip_reading_prefix_cache:
+        if st.req.skip_reading_prefix_cache or st.load_failed:
             hits: int | None = 0
         else:
             t0 = time.perf_counter()
@@ -775,6 +780,8 @@ class OffloadScheduler:
                 if job.pinned:
                     self.manager.complete_load(job.keys, ctx)
                 self.stats.failed_loads += job.failed
+                if job.failed and st is not None:
+                    st.load_failed = True
                 self.stats.loaded_chunks += 0 if job.failed else len(job.keys)
                 done_loads.append(job.req_id)
             for bid in job.fenced:

@@ -498,6 +498,8 @@ def test_prepare_load_failure_becomes_failed_job() -> None:
     assert spec.cpu is None and sched.stats.load_prepare_failures == 1
     sched.on_jobs_finished({job_id: 1}, failed={job_id})
     assert m.named("complete_load") == [] and sched.stats.failed_loads == 1
+    # the engine recomputes: the request is not offered the same (failing) hit again
+    assert sched.get_num_new_matched_tokens("a", 0) == (0, False)
 
 
 def test_concurrent_lookups_of_the_same_prefix_wait() -> None:
