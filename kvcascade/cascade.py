@@ -254,15 +254,6 @@ class Cascade:
         return self.coordinator.events()
 
     # -- lifecycle ---------------------------------------------------------------------------
-    async def _shutdown(self) -> None:
-        try:
-            async with asyncio.timeout(SHUTDOWN_TIMEOUT_S):
-                for tier in self.tiers:
-                    await tier.drain()
-        except TimeoutError:
-            log.warning("cascade shutdown: tiers did not drain within %.0f s", SHUTDOWN_TIMEOUT_S)
-        self.coordinator.shutdown()
-
     def _release(self) -> None:
         self.device.close()
         self.host.close()
@@ -285,6 +276,51 @@ def _succeeded(copy: asyncio.Future[DeviceTransfer]) -> bool:
     )
 
 
+async def start_tier_actors(tiers: Sequence[SecondaryTier]) -> list[asyncio.Task[None]]:
+    """Start each tier's actor (:meth:`SecondaryTier.run`) and wait until it is ready.
+
+    Returns the actor tasks, for :func:`stop_tier_actors`.
+
+    Raises:
+        whatever an actor's start-up raised (the actors already started keep running: stop them
+        with :func:`stop_tier_actors`).
+    """
+    actors: list[asyncio.Task[None]] = []
+    for tier in tiers:
+        started = asyncio.Event()
+        actor = asyncio.create_task(tier.run(started.set), name=f"kvcascade-{tier.name}")
+        actors.append(actor)
+        ready = asyncio.create_task(started.wait())
+        await asyncio.wait([actor, ready], return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        if actor.done():
+            actor.result()  # the actor failed to start: raise its error
+    return actors
+
+
+async def stop_tier_actors(
+    coordinator: TieringCoordinator | None, actors: Sequence[asyncio.Task[None]]
+) -> None:
+    """Drain the coordinator's tiers, stop their actors and wait for them; each step bounded by
+    ``SHUTDOWN_TIMEOUT_S`` seconds (actors still running then are cancelled). Never raises."""
+    if coordinator is not None:
+        try:
+            async with asyncio.timeout(SHUTDOWN_TIMEOUT_S):
+                for tier in coordinator.tiers:
+                    await tier.drain()
+        except TimeoutError:
+            log.warning("kvcascade: tiers did not drain within %.0f s", SHUTDOWN_TIMEOUT_S)
+        coordinator.shutdown()
+    if not actors:
+        return
+    done, pending = await asyncio.wait(actors, timeout=SHUTDOWN_TIMEOUT_S)
+    for actor in pending:
+        actor.cancel()
+    for actor in done:
+        if not actor.cancelled() and actor.exception() is not None:
+            log.error("tier actor %s failed: %r", actor.get_name(), actor.exception())
+
+
 @contextlib.asynccontextmanager
 async def open_cascade(config: CascadeConfig) -> AsyncIterator[Cascade]:
     """Build a :class:`Cascade`, run its tier actors, and stop them when the block exits.
@@ -300,24 +336,8 @@ async def open_cascade(config: CascadeConfig) -> AsyncIterator[Cascade]:
     cascade = Cascade(config)
     actors: list[asyncio.Task[None]] = []
     try:
-        for tier in cascade.tiers:
-            started = asyncio.Event()
-            actor = asyncio.create_task(tier.run(started.set), name=f"kvcascade-{tier.name}")
-            actors.append(actor)
-            ready = asyncio.create_task(started.wait())
-            await asyncio.wait([actor, ready], return_when=asyncio.FIRST_COMPLETED)
-            ready.cancel()
-            if actor.done():
-                actor.result()  # the actor failed to start: raise its error
+        actors = await start_tier_actors(cascade.tiers)
         yield cascade
     finally:
-        await cascade._shutdown()
-        done, pending = (
-            await asyncio.wait(actors, timeout=SHUTDOWN_TIMEOUT_S) if actors else ((), ())
-        )
-        for actor in pending:
-            actor.cancel()
-        for actor in done:
-            if not actor.cancelled() and actor.exception() is not None:
-                log.error("tier actor %s failed: %r", actor.get_name(), actor.exception())
+        await stop_tier_actors(cascade.coordinator, actors)
         cascade._release()

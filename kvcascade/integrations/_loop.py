@@ -16,6 +16,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from ..cascade import SHUTDOWN_TIMEOUT_S, start_tier_actors, stop_tier_actors
 from ..coordinator import TieringCoordinator
 from ..tiers.base import SecondaryTier
 
@@ -23,7 +24,6 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 START_TIMEOUT_S = 60.0
-SHUTDOWN_TIMEOUT_S = 30.0
 
 
 class LoopThread:
@@ -63,39 +63,14 @@ class LoopThread:
         coordinator: TieringCoordinator | None = None
         try:
             coordinator, tiers = self._build()
-            for tier in tiers:
-                started = asyncio.Event()
-                actor = asyncio.create_task(tier.run(started.set), name=f"kvcascade-{tier.name}")
-                actors.append(actor)
-                ready = asyncio.create_task(started.wait())
-                await asyncio.wait([actor, ready], return_when=asyncio.FIRST_COMPLETED)
-                ready.cancel()
-                if actor.done():
-                    actor.result()
+            actors = await start_tier_actors(tiers)
         except BaseException as exc:
             self._ready.set_exception(exc)
-            await self._shutdown(coordinator, actors)
+            await stop_tier_actors(coordinator, actors)
             return
         self._ready.set_result(coordinator)
         await self._stop.wait()
-        await self._shutdown(coordinator, actors)
-
-    @staticmethod
-    async def _shutdown(
-        coordinator: TieringCoordinator | None, actors: list[asyncio.Task[None]]
-    ) -> None:
-        if coordinator is not None:
-            try:
-                async with asyncio.timeout(SHUTDOWN_TIMEOUT_S):
-                    for tier in coordinator.tiers:
-                        await tier.drain()
-            except TimeoutError:
-                log.warning("kvcascade: tiers did not drain within %.0f s", SHUTDOWN_TIMEOUT_S)
-            coordinator.shutdown()
-        if actors:
-            _, pending = await asyncio.wait(actors, timeout=SHUTDOWN_TIMEOUT_S)
-            for actor in pending:
-                actor.cancel()
+        await stop_tier_actors(coordinator, actors)
 
     def call(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         """Run ``fn(*args, **kwargs)`` on the loop thread and return its result (or raise its
