@@ -13,6 +13,8 @@ Sources are found in ``kvcascade/_kernels`` (installed wheel, hatchling force-in
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import logging
@@ -20,6 +22,7 @@ import os
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -76,6 +79,17 @@ def _extension_name(sources: list[Path], with_cuda: bool) -> str:
     return f"kvcascade_swap_{h.hexdigest()[:12]}"
 
 
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (released by the OS if the process dies)."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _build() -> ModuleType:
     from torch.utils import cpp_extension
 
@@ -86,7 +100,15 @@ def _build() -> ModuleType:
     sources = [src_dir / CPP_SOURCE] + ([src_dir / CUDA_SOURCE] if with_cuda else [])
     name = _extension_name(sources, with_cuda)
     cflags = ["-O3", "-std=c++17", "-pthread"] + (["-DKVCASCADE_WITH_CUDA"] if with_cuda else [])
-    with warnings.catch_warnings(record=True) as caught:
+    directory = build_dir(name)
+    with (
+        _exclusive(directory / "kvcascade.flock"),
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        # torch guards a build with a plain ``lock`` file and waits on it forever; a process
+        # killed (or exiting) mid-build leaves it behind. Our flock dies with its process, so
+        # holding it proves no build is running here and any ``lock`` left is stale.
+        (directory / "lock").unlink(missing_ok=True)
         warnings.simplefilter("always")
         module = cpp_extension.load(
             name=name,
@@ -94,7 +116,7 @@ def _build() -> ModuleType:
             extra_cflags=cflags,
             extra_cuda_cflags=["-O3"] if with_cuda else None,
             extra_ldflags=["-pthread"],
-            build_directory=str(build_dir(name)),
+            build_directory=str(directory),
             with_cuda=with_cuda,
             verbose=False,
         )
