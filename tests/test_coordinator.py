@@ -305,20 +305,59 @@ async def test_cancelled_load_releases_its_pins() -> None:
 
 
 class StuckTier(kc.MemoryTier):
-    """A memory tier whose transfers block inside the copy until the test lets them go."""
+    """A memory tier whose transfers block until the test lets them go: inside the access to
+    the primary rows (a read in progress), or before it (e.g. an ``open`` that hangs)."""
 
-    def __init__(self, host: kc.HostBuffer) -> None:
+    def __init__(self, host: kc.HostBuffer, inside_rows: bool = True) -> None:
         super().__init__(host, name="stuck")
         self.io_timeout_s = 0.05
         self.gate = threading.Event()
+        self.inside_rows = inside_rows
+
+    def _stall(self) -> None:
+        if self.inside_rows:
+            with self._row_access():
+                self.gate.wait(10)
+        else:
+            self.gate.wait(10)
 
     def _load_blocks(self, keys, rows):  # type: ignore[no-untyped-def]
-        self.gate.wait(10)
+        self._stall()
         return super()._load_blocks(keys, rows)
 
     def _store_blocks(self, keys, rows):  # type: ignore[no-untyped-def]
-        self.gate.wait(10)
+        self._stall()
         return super()._store_blocks(keys, rows)
+
+
+async def test_promotion_stuck_before_touching_rows_frees_its_slot_at_the_deadline() -> None:
+    """A promotion whose thread hangs before it touches the primary rows (an ``open`` of a
+    FIFO) fails at its deadline and its slot is free at once; when the thread wakes up it sees
+    the deadline passed and leaves the rows alone."""
+    host = kc.HostBuffer(1, 64)
+    primary = kc.CPUOffloadingManager(1)
+    tier = StuckTier(host, inside_rows=False)
+    tier.blocks[key(1)] = b"\x01" * 64
+    started = asyncio.Event()
+    actor = asyncio.create_task(tier.run(started.set))
+    await started.wait()
+    coord = kc.TieringCoordinator(primary, [tier])
+    ctx = kc.ReqContext("a")
+    assert coord.lookup(key(1), ctx, verdicts={0: True}) is R.HIT_PENDING
+    (future,) = coord.on_schedule_end()
+    result = await asyncio.wait_for(future, 5)
+    assert not result.success and not result.abandoned
+    coord.poll_now()
+    assert primary.num_free == 1
+    out = coord.prepare_store([key(2)], ctx)  # the slot is reused at once …
+    host.row(int(out.store_spec.block_ids[0]))[:] = b"\x02" * 64
+    coord.complete_store(out.keys_to_store, ctx)
+    tier.gate.set()  # … and the late thread does not write into it
+    await asyncio.sleep(0.1)
+    assert bytes(host.row(int(out.store_spec.block_ids[0]))) == b"\x02" * 64
+    tier.close()
+    await actor
+    host.close()
 
 
 async def test_abandoned_promotion_keeps_its_slot_until_the_thread_returns() -> None:

@@ -42,13 +42,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import inspect
 import logging
 import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 from .._errors import TierUnavailableError, TransferError
@@ -80,6 +81,7 @@ class _Work:
         "finished",
         "fn",
         "fut",
+        "in_rows",
         "is_load",
         "job",
         "replaced",
@@ -109,6 +111,7 @@ class _Work:
         # Guarded by the tier's thread lock: the thread finished the call / the loop gave up.
         self.finished = False
         self.abandoned = False
+        self.in_rows = False
         self.replaced = False
         self.task: asyncio.Task[None] | None = None  # a native (coroutine) work's task
 
@@ -231,6 +234,29 @@ class SecondaryTier(ABC):
         """On an I/O thread: True once the running job passed its deadline (stop early)."""
         work: _Work | None = getattr(self._current, "work", None)
         return work is not None and work.abandoned
+
+    @contextlib.contextmanager
+    def _row_access(self) -> Iterator[None]:
+        """On an I/O thread, around every read or write of primary rows.
+
+        Raises TimeoutError if the job already passed its deadline (its rows may belong to
+        other keys by now). A job that passes its deadline while a thread is *inside* this block
+        is reported ``abandoned`` (its rows stay out of use until the thread returns); outside
+        it (e.g. stuck in ``open``) the job simply fails and its rows are released at once.
+        """
+        work: _Work | None = getattr(self._current, "work", None)
+        if work is None:
+            yield
+            return
+        with self._thread_lock:
+            if work.abandoned:
+                raise TimeoutError("job passed its deadline")
+            work.in_rows = True
+        try:
+            yield
+        finally:
+            with self._thread_lock:
+                work.in_rows = False
 
     # -- actor ---------------------------------------------------------------------------
     async def run(self, started: Callable[[], None] | None = None) -> None:
@@ -395,8 +421,9 @@ class SecondaryTier(ABC):
         if work.state == _DONE:
             return
         self.counters["timeouts"] += 1
+        rows_in_use = False  # may the running work still touch the job's primary rows?
         if work.state == _RUNNING and work.task is not None:
-            work.abandoned = True  # its slot frees once the cancelled task has unwound
+            work.abandoned = rows_in_use = True  # its slot frees once the task has unwound
             work.task.cancel()
             self.counters["stuck_threads"] += 1
             self._running.discard(work)
@@ -405,6 +432,7 @@ class SecondaryTier(ABC):
                 if work.finished:
                     return  # its result is already on the way to the loop
                 work.abandoned = True
+                rows_in_use = work.in_rows
                 work.replaced = self._replacements < self.io_threads
                 if work.replaced:
                     self._replacements += 1
@@ -415,7 +443,7 @@ class SecondaryTier(ABC):
                 self._release_slot(work.slot)
         elif work.job is not None:
             self._queued_jobs -= 1
-        self._fail(work, f"deadline of {self.io_timeout_s:g} s passed", abandoned=work.abandoned)
+        self._fail(work, f"deadline of {self.io_timeout_s:g} s passed", abandoned=rows_in_use)
 
     def _thread_returned(self, work: _Work) -> None:
         """An abandoned thread's call returned (loop thread): its job's primary rows are free
@@ -439,6 +467,8 @@ class SecondaryTier(ABC):
         work.state = _DONE
         job = work.job
         if job is None:
+            if work.fut.done():  # the caller was cancelled meanwhile
+                return
             if error is not None:
                 work.fut.set_exception(error)
             else:

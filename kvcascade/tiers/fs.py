@@ -388,8 +388,6 @@ class FileSystemTier(SecondaryTier):
         if os.path.exists(path):
             self._record(key, self.block_file_bytes, reserved=False)
             return 0
-        if self._job_abandoned():
-            raise TimeoutError("job passed its deadline")
         size = HEADER_BYTES + len(row)
         if not self._evict_and_reserve(size):
             raise OSError(errno.ENOSPC, f"block file of {size} bytes does not fit in max_bytes")
@@ -397,6 +395,7 @@ class FileSystemTier(SecondaryTier):
         header = self._header_buffer()
         tmp = f"{path}_{self._pid}_{random.getrandbits(63)}.tmp"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._flags
+        fd: int | None = None
         try:
             try:
                 fd = os.open(tmp, flags, 0o600)
@@ -404,23 +403,25 @@ class FileSystemTier(SecondaryTier):
                 _make_dirs(os.path.dirname(path))
                 fd = os.open(tmp, flags, 0o600)
             try:
-                encode_header(key, payload, header)
-                done = os.writev(fd, [header, row])
-                while done < size:  # a short write: go on, so the real error (ENOSPC) shows
-                    rest = (
-                        [header[done:], row] if done < HEADER_BYTES
-                        else [row[done - HEADER_BYTES :]]
-                    )
-                    written = os.writev(fd, rest)
-                    if not written:
-                        raise OSError(errno.EIO, f"short write to {tmp}")
-                    done += written
+                with self._row_access():
+                    encode_header(key, payload, header)
+                    done = os.writev(fd, [header, row])
+                    while done < size:  # a short write: go on, so the real error shows
+                        rest = (
+                            [header[done:], row] if done < HEADER_BYTES
+                            else [row[done - HEADER_BYTES :]]
+                        )
+                        written = os.writev(fd, rest)
+                        if not written:
+                            raise OSError(errno.EIO, f"short write to {tmp}")
+                        done += written
             finally:
                 os.close(fd)
             os.replace(tmp, path)
         except BaseException:
             self._unreserve(size)
-            _unlink_quietly(tmp)
+            if fd is not None:  # nothing to delete if the temp file was never created
+                _unlink_quietly(tmp)
             raise
         self._record(key, size, reserved=True)
         return len(payload)
@@ -454,9 +455,15 @@ class FileSystemTier(SecondaryTier):
         try:
             fd = os.open(path, os.O_RDONLY | self._flags)
             try:
-                if self._job_abandoned():  # e.g. the open blocked past the deadline
-                    raise TimeoutError("job passed its deadline")
-                n = os.preadv(fd, [header, row], 0)
+                # The open may block (a FIFO, a hung NFS): until here the rows are untouched.
+                with self._row_access():
+                    n = os.preadv(fd, [header, row], 0)
+                    if n != size:  # header and checksum vouch for the bytes read
+                        raise CorruptBlockError(
+                            f"{path}: short file ({n} bytes read, expected {size})"
+                        )
+                    payload = row[: self.host.block_bytes]
+                    check_block(key, header, payload, path)
             finally:
                 os.close(fd)
         finally:
@@ -465,15 +472,11 @@ class FileSystemTier(SecondaryTier):
                     self._readers[key] -= 1
                     if not self._readers[key]:
                         del self._readers[key]
-        if n != size:  # header and checksum vouch for the bytes read; trailing bytes are ignored
-            raise CorruptBlockError(f"{path}: short file ({n} bytes read, expected {size})")
-        payload = row[: self.host.block_bytes]
-        check_block(key, header, payload, path)
         self._record(key, size, reserved=False)
         return len(payload)
 
     def _probe(self, keys: Sequence[bytes]) -> list[bool]:
-        return [os.path.exists(self.path_of(k)) for k in keys]
+        return [os.path.isfile(self.path_of(k)) for k in keys]
 
 
 def _make_dirs(leaf: str) -> None:

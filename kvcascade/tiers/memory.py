@@ -25,16 +25,18 @@ class MemoryTier(SecondaryTier):
         self.blocks: dict[bytes, bytes] = {}
 
     def _store_blocks(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
-        for key, row in zip(keys, rows):
-            self.blocks.setdefault(key, bytes(row))
+        with self._row_access():
+            for key, row in zip(keys, rows):
+                self.blocks.setdefault(key, bytes(row))
         return sum(len(r) for r in rows)
 
     def _load_blocks(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
-        for i, (key, row) in enumerate(zip(keys, rows)):
-            data = self.blocks.get(key)
-            if data is None:
-                raise TransferError(f"memory tier has no block {key!r}", keys[:i])
-            row[:] = data
+        with self._row_access():
+            for i, (key, row) in enumerate(zip(keys, rows)):
+                data = self.blocks.get(key)
+                if data is None:
+                    raise TransferError(f"memory tier has no block {key!r}", keys[:i])
+                row[:] = data
         return sum(len(r) for r in rows)
 
     def _probe(self, keys: Sequence[bytes]) -> list[bool]:
