@@ -107,7 +107,8 @@ class TieringCoordinator:
         # key → (monotonic start, req_id, job_id or None) of primary writes in flight.
         self._writes: dict[bytes, tuple[float, str, int | None]] = {}
         # Expired writes whose writer has not reported yet: key → (req_id, job_id, block).
-        self._expired: dict[bytes, tuple[str, int | None, BlockStatus]] = {}
+        # (A key may expire again while an older late writer of it is still out: a list.)
+        self._expired: dict[bytes, list[tuple[str, int | None, BlockStatus]]] = {}
         # Jobs failed at their deadline whose thread has not returned:
         # job_id → (keys still pinned, quarantined blocks), released when the thread returns.
         self._abandoned: dict[int, tuple[list[bytes], list[BlockStatus]]] = {}
@@ -210,15 +211,14 @@ class TieringCoordinator:
     def _finish_write(self, key: bytes, job_id: int | None, req_id: str | None = None) -> bool:
         """A writer reports ``key``; False if its write had expired (the report is dropped and
         the quarantined slot freed)."""
-        expired = self._expired.get(key)
-        if (
-            expired is not None
-            and expired[1] == job_id
-            and (req_id is None or expired[0] == req_id)
-        ):
-            del self._expired[key]
-            self.primary.release_quarantined([expired[2]])
-            return False
+        entries = self._expired.get(key, ())
+        for i, (writer, expired_job, block) in enumerate(entries):
+            if expired_job == job_id and (req_id is None or writer == req_id):
+                del entries[i]
+                if not entries:
+                    del self._expired[key]
+                self.primary.release_quarantined([block])
+                return False
         self._writes.pop(key, None)
         return True
 
@@ -230,7 +230,7 @@ class TieringCoordinator:
             _, req_id, job_id = self._writes.pop(key)
             block = self.primary.quarantine_write(key)
             if block is not None:
-                self._expired[key] = (req_id, job_id, block)
+                self._expired.setdefault(key, []).append((req_id, job_id, block))
                 self.metrics.expired_writes.inc()
                 log.warning("a write into the primary tier passed its deadline; key is now a miss")
 
@@ -559,7 +559,7 @@ class TieringCoordinator:
             pinned = [b for k in keys if (b := self.primary.get_block(k)) is not None]
             self._abandoned[job_id] = ([], [*blocks, *pinned])
         reserved = [b for _, blocks in self._abandoned.values() for b in blocks]
-        reserved += [block for _, _, block in self._expired.values()]
+        reserved += [block for entries in self._expired.values() for _, _, block in entries]
         self.primary.reset_cache(reserved=reserved)
         self._polled_this_step = False
 

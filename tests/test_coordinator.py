@@ -422,3 +422,22 @@ async def test_abandoned_cascade_keeps_its_read_pin() -> None:
     tier.close()
     await actor
     host.close()
+
+
+async def test_a_key_expiring_twice_loses_no_slot() -> None:
+    """A key whose write expires, is stored again by another request and expires again before
+    the first late writer reports: both quarantined slots come back when the writers report."""
+    async with tiering(num_blocks=3, num_tiers=0) as (coord, _host, _tiers):
+        coord.pending_write_timeout_s = 0.02
+        first, second = kc.ReqContext("first"), kc.ReqContext("second")
+        coord.prepare_store([key(1)], first)
+        await asyncio.sleep(0.05)
+        coord.poll_now()
+        coord.prepare_store([key(1)], second)
+        await asyncio.sleep(0.05)
+        coord.poll_now()
+        assert coord.primary.num_free == 1  # two slots quarantined
+        coord.complete_store([key(1)], first)
+        coord.complete_store([key(1)], second)
+        assert coord.primary.num_free == 3
+        assert coord.lookup(key(1), first) is R.MISS
