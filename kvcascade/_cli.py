@@ -266,8 +266,13 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    from .ops import _build
     from .ops.calibrate import calibrate
 
+    if _build.extension_if_ready() is None:  # starts the build in the background
+        print(
+            "kvcascade: building the copy kernels on first use (about a minute)…", file=sys.stderr
+        )
     results, written = calibrate(Path(args.output) if args.output else None, reps=args.reps)
     print(f"{'kernel':<8}{'page B':>10}{'count':>7}{'GB/s':>9}")
     for m in results:
@@ -293,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"kvcascade: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("kvcascade: interrupted", file=sys.stderr)
+        return 130
     return 2
 
 

@@ -159,9 +159,9 @@ async def replay(
         "cpu": 0,
         **{t.get("name", t["type"]): 0 for t in config.secondary_tiers},
     }
-    gpu = GPUPrefixCache(config.gpu_blocks)
     start = time.perf_counter()
-    async with open_cascade(config) as cascade:
+    async with open_cascade(config) as cascade:  # allocates (and checks) the device first
+        gpu = GPUPrefixCache(config.gpu_blocks)
         for request in trace:
             await _step(cascade, gpu, request, report)
             if progress is not None:

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TextIO
 
 from ._errors import TraceError
 
 TOKENS_PER_BLOCK = 512
+_MAX_ID = 1 << 64  # block ids become 8-byte block hashes
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,15 @@ class TraceRequest:
 def bundled_trace() -> Path:
     """Path of the bundled Mooncake conversation trace (Apache-2.0; see ``data/NOTICE.md``)."""
     return Path(str(resources.files("kvcascade") / "data" / "mooncake_conversation_trace.jsonl"))
+
+
+def _lines(handle: TextIO, path: Path) -> Iterator[tuple[int, str]]:
+    lineno = 0
+    try:
+        for lineno, line in enumerate(handle, 1):
+            yield lineno, line
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"{path}:{lineno + 1}: not UTF-8 text ({exc.reason})") from exc
 
 
 def read_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[TraceRequest]:
@@ -50,7 +62,7 @@ def _iter_trace(path: Path, limit: int | None) -> Iterator[TraceRequest]:
         raise TraceError(f"cannot read trace {str(path)!r}: {exc.strerror or exc}") from exc
     count = 0
     with handle:
-        for lineno, line in enumerate(handle, 1):
+        for lineno, line in _lines(handle, path):
             if limit is not None and count >= limit:
                 return
             if not line.strip():
@@ -65,15 +77,21 @@ def _iter_trace(path: Path, limit: int | None) -> Iterator[TraceRequest]:
                 )
             ids = record.get("hash_ids")
             if not isinstance(ids, list) or not all(
-                isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids
+                isinstance(h, int) and not isinstance(h, bool) and 0 <= h < _MAX_ID for h in ids
             ):
                 raise TraceError(
-                    f"{path}:{lineno}: 'hash_ids' must be a list of non-negative integers, "
+                    f"{path}:{lineno}: 'hash_ids' must be a list of integers in [0, 2**64), "
                     f"got {str(ids)[:60]}"
                 )
             ts = record.get("timestamp", 0)
             length = record.get("input_length", len(ids) * TOKENS_PER_BLOCK)
-            if not isinstance(ts, (int, float)) or not isinstance(length, int):
+            if (
+                isinstance(ts, bool)
+                or not isinstance(ts, (int, float))
+                or not math.isfinite(ts)
+                or isinstance(length, bool)
+                or not isinstance(length, int)
+            ):
                 raise TraceError(
                     f"{path}:{lineno}: bad timestamp {ts!r} or input_length {length!r}"
                 )

@@ -123,6 +123,7 @@ class Cascade:
         before :meth:`load`. A key whose write is in flight for another request counts as
         available: :meth:`load` waits for that write instead of issuing a second one.
         """
+        _check_request(keys, ctx)
         coord = self.coordinator
         absent = [k for k in keys if self.primary.get_block(k) is None]
         found: list[dict[bytes, bool]] = []
@@ -158,10 +159,9 @@ class Cascade:
         copy finishes before the pins are released.
 
         Raises:
-            ValueError: ``keys`` and ``gpu_ids`` differ in length.
+            TypeError / ValueError: see :func:`_check_request` (bad keys, ctx or GPU ids).
         """
-        if len(keys) != len(gpu_ids):
-            raise ValueError(f"{len(keys)} keys but {len(gpu_ids)} GPU block ids")
+        _check_request(keys, ctx, gpu_ids)
         coord = self.coordinator
         coord.on_schedule_end()
         waits: list[asyncio.Future[Any]] = coord.job_futures(promotions=True, keys=keys)
@@ -202,10 +202,9 @@ class Cascade:
         the background. Cancelled while copying, the copy finishes and its outcome is recorded.
 
         Raises:
-            ValueError: ``keys`` and ``gpu_ids`` differ in length.
+            TypeError / ValueError: see :func:`_check_request` (bad keys, ctx or GPU ids).
         """
-        if len(keys) != len(gpu_ids):
-            raise ValueError(f"{len(keys)} keys but {len(gpu_ids)} GPU block ids")
+        _check_request(keys, ctx, gpu_ids)
         coord = self.coordinator
         out = coord.prepare_store(keys, ctx)
         if out is None and (cascades := coord.job_futures(promotions=False)):
@@ -257,6 +256,30 @@ class Cascade:
     def _release(self) -> None:
         self.device.close()
         self.host.close()
+
+
+def _check_request(keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Any = None) -> None:
+    """Reject arguments that would silently do the wrong thing.
+
+    Raises:
+        TypeError: ``keys`` is not a sequence of ``bytes`` (a single key, str or int keys),
+            ``ctx`` is not a :class:`ReqContext`, or a GPU id is not an integer.
+        ValueError: ``keys`` and ``gpu_ids`` differ in length.
+    """
+    if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Sequence):
+        raise TypeError(f"keys must be a sequence of offload keys (bytes), got {keys!r:.80}")
+    for key in keys:
+        if not isinstance(key, bytes):
+            raise TypeError(f"offload keys must be bytes, got {type(key).__name__} {key!r:.40}")
+    if not isinstance(ctx, ReqContext):
+        raise TypeError(f"ctx must be a kvcascade.ReqContext, got {type(ctx).__name__}")
+    if gpu_ids is None:
+        return
+    if len(keys) != len(gpu_ids):
+        raise ValueError(f"{len(keys)} keys but {len(gpu_ids)} GPU block ids")
+    for gpu_id in gpu_ids:
+        if isinstance(gpu_id, bool) or not isinstance(gpu_id, (int, np.integer)):
+            raise TypeError(f"GPU block ids must be integers, got {gpu_id!r}")
 
 
 async def _uncancellable(copy: asyncio.Future[DeviceTransfer]) -> DeviceTransfer:

@@ -441,3 +441,28 @@ async def test_a_key_expiring_twice_loses_no_slot() -> None:
         coord.complete_store([key(1)], second)
         assert coord.primary.num_free == 3
         assert coord.lookup(key(1), first) is R.MISS
+
+
+async def test_cascade_api_rejects_arguments_that_would_do_the_wrong_thing() -> None:
+    """One key instead of a list, str keys, float GPU ids, no context: clear errors, nothing
+    stored."""
+    config = kc.CascadeConfig(block_bytes=64, gpu_blocks=4, cpu_blocks=4)
+    async with kc.open_cascade(config) as cascade:
+        ctx = kc.ReqContext("a")
+        for keys, ids, error, text in [
+            (key(1), [0], TypeError, "sequence of offload keys"),
+            (["k"], [0], TypeError, "must be bytes, got str"),
+            ([key(1)], [1.5], TypeError, "1.5"),
+            ([key(1)], [0, 1], ValueError, "1 keys but 2"),
+        ]:
+            try:
+                await cascade.store(keys, ctx, ids)
+            except error as exc:
+                assert text in str(exc)
+            else:
+                raise AssertionError(f"store({keys!r}, {ids!r}) must raise")
+        try:
+            await cascade.lookup_prefix([key(1)], None)  # type: ignore[arg-type]
+        except TypeError as exc:
+            assert "ReqContext" in str(exc)
+        assert cascade.primary.num_free == 4

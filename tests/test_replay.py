@@ -282,3 +282,37 @@ def test_credentials_never_reach_reports_or_reprs() -> None:
     config.secondary_tiers.append({"type": "s3", "secret_key": "hunter2", "access_key": "AK"})
     assert "hunter2" not in repr(config) and "AK'" not in repr(config)
     assert "hunter2" not in json.dumps(_describe(config))
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b'{"hash_ids": [18446744073709551616]}\n', "[0, 2**64)"),
+        (b"\xff\xfe{}\n", "not UTF-8"),
+        (b'{"hash_ids": [1], "timestamp": Infinity}\n', "bad timestamp inf"),
+    ],
+)
+def test_malformed_traces_are_one_clear_error(
+    tmp_path: Path, content: bytes, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "t.jsonl"
+    bad.write_bytes(content)
+    assert main(["replay", str(bad), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--gpu-blocks", "99999999999999"], "lower gpu_blocks"),
+        (["--cpu-blocks", "99999999999999"], "lower cpu_blocks"),
+        (["--config", '{"secondary_tiers": [{"type": "memory", "bogus": 1}]}'], "bogus"),
+    ],
+)
+def test_impossible_sizes_and_tier_keys_are_clear_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["replay", "--requests", "2", "--quiet", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -44,7 +44,13 @@ class HostBuffer:
         self.block_bytes = block_bytes
         self.row_bytes = round_up(block_bytes, PAGE_SIZE)
         self.nbytes = num_blocks * self.row_bytes
-        self._mmap: mmap.mmap | None = mmap.mmap(-1, max(self.nbytes, PAGE_SIZE))
+        try:
+            self._mmap: mmap.mmap | None = mmap.mmap(-1, max(self.nbytes, PAGE_SIZE))
+        except (OSError, OverflowError, MemoryError) as exc:
+            raise ConfigError(
+                f"cannot map {num_blocks} primary blocks × {self.row_bytes} B = {self.nbytes:,} B "
+                f"of host memory ({exc}); lower cpu_blocks / cpu_bytes_to_use or block_bytes"
+            ) from exc
         self._view = memoryview(self._mmap)[: self.nbytes]
         self._tensor = (
             torch.frombuffer(self._mmap, dtype=torch.int8, count=self.nbytes).view(

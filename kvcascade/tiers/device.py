@@ -136,7 +136,16 @@ class DeviceTier:
         self.blocks_per_chunk = blocks_per_chunk
         self.page_bytes = host.block_bytes // blocks_per_chunk
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.kv = torch.zeros((num_blocks, self.page_bytes), dtype=torch.int8, device=self.device)
+        try:
+            self.kv = torch.zeros(
+                (num_blocks, self.page_bytes), dtype=torch.int8, device=self.device
+            )
+        except (RuntimeError, MemoryError) as exc:
+            raise ConfigError(
+                f"cannot allocate the device KV cache: {num_blocks} blocks × {self.page_bytes} B "
+                f"= {num_blocks * self.page_bytes:,} B on {self.device} ({exc}); lower "
+                "gpu_blocks or block_bytes"
+            ) from exc
         self._cuda = self.device.type == "cuda"
         if self._cuda:
             self._streams = {d: torch.cuda.Stream(self.device) for d in ("store", "load")}

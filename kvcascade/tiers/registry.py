@@ -128,4 +128,8 @@ def create_secondary_tier(tier_cfg: dict[str, Any], ctx: TierContext) -> Seconda
     factory = resolve_tier_factory(tier_cfg)
     kwargs = {k: v for k, v in tier_cfg.items() if k not in ("type", "module_path")}
     kwargs.setdefault("name", tier_cfg["type"])
+    try:
+        inspect.signature(factory).bind(ctx, **kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"secondary tier {tier_cfg['type']!r}: {exc}") from exc
     return factory(ctx, **kwargs)
