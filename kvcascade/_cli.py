@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -202,7 +203,16 @@ def format_report(report: ReplayReport) -> str:
     return "\n".join(["kvcascade replay", "-" * width, *lines])
 
 
+def _check_writable(path: str | None) -> None:
+    if path is None:
+        return
+    parent = Path(path).resolve().parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ConfigError(f"--json {path}: directory {parent} does not exist or is not writable")
+
+
 def _replay(args: argparse.Namespace) -> int:
+    _check_writable(args.json_path)
     config = build_replay_config(args)
     trace = read_trace(args.trace or bundled_trace(), limit=args.requests)
     progress = None

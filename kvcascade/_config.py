@@ -54,6 +54,28 @@ def redact(tier: dict[str, Any]) -> dict[str, Any]:
     return {k: "***" if k in _SECRET_KEYS and v else v for k, v in tier.items()}
 
 
+def _check_vllm_keys(extra: dict[str, Any]) -> None:
+    """The validation vLLM applies to its keys that kvcascade accepts (spec §1.8, §1.9)."""
+    if "block_size" in extra and "blocks_per_chunk" in extra:
+        raise ConfigError("Specify only one of block_size and blocks_per_chunk")
+    for key in ("blocks_per_chunk", "block_size"):
+        if key in extra:
+            value = extra[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{key} must be an integer greater than 0, got {value!r}")
+    threshold = extra.get("store_threshold", 0)
+    if isinstance(threshold, bool) or not isinstance(threshold, int):
+        raise ConfigError(f"store_threshold must be an integer, got {threshold!r}")
+    if threshold >= 2:
+        raise ConfigError(
+            f"store_threshold={threshold}: the reuse filter is not supported with tiering "
+            "(as vLLM's TieringOffloadingSpec); use 0"
+        )
+    for key in ("offload_prompt_only", "self_describing_kv_events", "canonical_layout"):
+        if key in extra and not isinstance(extra[key], bool):
+            raise ConfigError(f"{key} must be true or false, got {extra[key]!r}")
+
+
 @dataclass(repr=False)
 class CascadeConfig:
     """Everything :func:`kvcascade.open_cascade` needs.
@@ -96,6 +118,22 @@ class CascadeConfig:
             raise ConfigError(
                 "cpu_bytes_to_use must be specified (bytes of CPU DRAM for the primary tier), "
                 "or cpu_blocks"
+            )
+        if not isinstance(self.enable_events, bool):
+            raise ConfigError(f"enable_events must be true or false, got {self.enable_events!r}")
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise ConfigError(f"model_name must be a non-empty string, got {self.model_name!r}")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ConfigError(f"cache_salt must be a string, got {self.cache_salt!r}")
+        row = round_up(self.block_bytes, PAGE_SIZE)
+        if (
+            self.cpu_blocks is None
+            and self.cpu_bytes_to_use is not None
+            and (self.cpu_bytes_to_use < row)
+        ):
+            raise ConfigError(
+                f"cpu_bytes_to_use={self.cpu_bytes_to_use} B is smaller than one primary block "
+                f"({row} B for {self.block_bytes} B of KV); give at least {row}"
             )
         timeout = self.pending_write_timeout_s
         if timeout is not None and (
@@ -146,6 +184,7 @@ class CascadeConfig:
         unknown = sorted(set(extra) - KNOWN_KEYS)
         if unknown:
             raise ConfigError(f"unknown config keys {unknown}; known: {sorted(KNOWN_KEYS)}")
+        _check_vllm_keys(extra)
         values = {k: copy.deepcopy(v) for k, v in extra.items() if k in _OWN_KEYS}
         for key in ("cpu_bytes_to_use", "eviction_policy", "secondary_tiers"):
             if key in extra:

@@ -316,3 +316,23 @@ def test_impossible_sizes_and_tier_keys_are_clear_errors(
     assert main(["replay", "--requests", "2", "--quiet", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--config", '{"blocks_per_chunk": 0}'], "greater than 0"),
+        (["--config", '{"block_size": 32, "blocks_per_chunk": 2}'], "Specify only one"),
+        (["--config", '{"store_threshold": 5}'], "store_threshold=5"),
+        (["--config", '{"enable_events": "no"}'], "enable_events"),
+        (["--config", '{"cpu_bytes_to_use": 100}'], "cpu_bytes_to_use=100"),
+        (["--fs-max-bytes", "100"], "max_bytes=100"),
+        (["--json", "/nonexistent-dir/r.json"], "/nonexistent-dir"),
+    ],
+)
+def test_config_values_are_checked_before_running(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM's own key checks (spec §1.8, §1.9) and ours, before any work is done."""
+    assert main(["replay", "--requests", "2", "--quiet", *argv]) == 2
+    assert message in capsys.readouterr().err

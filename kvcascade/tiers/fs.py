@@ -90,8 +90,14 @@ def file_size(payload_bytes: int) -> int:
 def encode_header(key: bytes, payload: memoryview | bytes, out: memoryview) -> None:
     """Write the header fields of ``payload`` stored under ``key`` into ``out[:32]``."""
     _HEADER.pack_into(
-        out, 0, _MAGIC, FORMAT_VERSION, 0, len(payload),
-        xxhash.xxh3_64_intdigest(payload), xxhash.xxh3_64_intdigest(key),
+        out,
+        0,
+        _MAGIC,
+        FORMAT_VERSION,
+        0,
+        len(payload),
+        xxhash.xxh3_64_intdigest(payload),
+        xxhash.xxh3_64_intdigest(key),
     )
 
 
@@ -171,7 +177,10 @@ class FileSystemTier(SecondaryTier):
         o_direct: bool = True,
     ) -> None:
         super().__init__(
-            name, host, io_threads=io_threads, io_timeout_s=io_timeout_s,
+            name,
+            host,
+            io_threads=io_threads,
+            io_timeout_s=io_timeout_s,
             max_queued_jobs=max_queued_jobs,
         )
         if max_bytes is not None and max_bytes <= 0:
@@ -408,7 +417,8 @@ class FileSystemTier(SecondaryTier):
                     done = os.writev(fd, [header, row])
                     while done < size:  # a short write: go on, so the real error shows
                         rest = (
-                            [header[done:], row] if done < HEADER_BYTES
+                            [header[done:], row]
+                            if done < HEADER_BYTES
                             else [row[done - HEADER_BYTES :]]
                         )
                         written = os.writev(fd, rest)
@@ -510,8 +520,15 @@ def _unlink_quietly(path: str) -> None:
 
 
 _CONFIG_KEYS = {
-    "root_dir", "max_bytes", "io_threads", "io_timeout_s", "max_queued_jobs", "cache_salt",
-    "name", "n_read_threads", "n_write_threads",
+    "root_dir",
+    "max_bytes",
+    "io_threads",
+    "io_timeout_s",
+    "max_queued_jobs",
+    "cache_salt",
+    "name",
+    "n_read_threads",
+    "n_write_threads",
 }
 
 
@@ -556,6 +573,12 @@ def fs_tier_from_config(
             raise ConfigError(f"fs tier {key} must be a string, got {cfg[key]!r}")
     if cfg.get("cache_salt"):
         mapper = mapper.with_salt(cfg["cache_salt"])
+    max_bytes = integer("max_bytes", 0) if "max_bytes" in cfg else None
+    if max_bytes is not None and max_bytes < file_size(host.block_bytes):
+        raise ConfigError(
+            f"fs tier max_bytes={max_bytes} cannot hold one block file "
+            f"({file_size(host.block_bytes)} B for {host.block_bytes} B blocks)"
+        )
     return FileSystemTier(
         host,
         root,
@@ -564,5 +587,5 @@ def fs_tier_from_config(
         io_threads=threads,
         io_timeout_s=float(timeout),
         max_queued_jobs=integer("max_queued_jobs", 1024),
-        max_bytes=integer("max_bytes", 0) if "max_bytes" in cfg else None,
+        max_bytes=max_bytes,
     )

@@ -32,12 +32,9 @@ class TierContext:
     host: HostBuffer
     identity: dict[str, Any]
 
-    def mapper(self, cache_salt: str | None = None) -> FileMapper:
-        """The namespace of a persistent tier; ``cache_salt`` (if given) joins the identity."""
-        identity = dict(self.identity)
-        if cache_salt:
-            identity["cache_salt"] = cache_salt
-        return FileMapper(identity)
+    def mapper(self) -> FileMapper:
+        """The namespace of a persistent tier (a tier's own ``cache_salt`` refines it)."""
+        return FileMapper(dict(self.identity))
 
 
 TierFactory = Callable[..., SecondaryTier]
@@ -54,8 +51,7 @@ _REGISTRY: dict[str, str | TierFactory] = {
 def _fs_factory(ctx: TierContext, **kwargs: Any) -> SecondaryTier:
     from .fs import fs_tier_from_config
 
-    salt = kwargs.pop("cache_salt", None)
-    return fs_tier_from_config(ctx.host, ctx.mapper(salt), kwargs)
+    return fs_tier_from_config(ctx.host, ctx.mapper(), kwargs)
 
 
 def _s3_factory(ctx: TierContext, **kwargs: Any) -> SecondaryTier:
