@@ -134,6 +134,11 @@ class Cascade:
         for key in keys:
             verdicts = {i: f[key] for i, f in enumerate(found) if key in f}
             in_primary = self.primary.get_block(key) is not None
+            if not in_primary and len(verdicts) < len(self.tiers):
+                # Evicted since the batch probe (an earlier key's promotion took its slot):
+                # it may still be in a secondary tier, so ask now instead of calling it a miss.
+                for i, tier in enumerate(self.tiers):
+                    verdicts[i] = found[i][key] = (await tier.contains([key]))[0]
             result = coord.lookup(key, ctx, verdicts=verdicts)
             if result is LookupResult.HIT:
                 out.tiers.append("cpu")

@@ -466,3 +466,27 @@ async def test_cascade_api_rejects_arguments_that_would_do_the_wrong_thing() -> 
         except TypeError as exc:
             assert "ReqContext" in str(exc)
         assert cascade.primary.num_free == 4
+
+
+async def test_a_prefix_key_evicted_by_its_own_promotions_is_found_in_the_secondary() -> None:
+    """lookup_prefix: a later key of the prefix that an earlier key's promotion evicted from
+    the primary is looked up in the secondary tier instead of ending the prefix."""
+    config = kc.CascadeConfig(
+        block_bytes=64, gpu_blocks=8, cpu_blocks=3, secondary_tiers=[{"type": "memory"}]
+    )
+    async with kc.open_cascade(config) as cascade:
+        ctx = kc.ReqContext("w")
+        keys = [key(i) for i in range(5)]
+        cascade.device.kv[:5] = torch.arange(5, dtype=torch.int8)[:, None]  # block i: byte i
+        for i in range(5):
+            await cascade.store([keys[i]], ctx, [i])
+            await cascade.wait_cascades()
+        cascade.finish_request(ctx)  # primary holds keys 2, 3, 4; memory holds all five
+        reader = kc.ReqContext("r")
+        cascade.device.kv.zero_()
+        found = await cascade.lookup_prefix(keys, reader)
+        assert found.num_hits == 3  # as many as the primary's 3 slots can hold at once
+        loaded = await cascade.load(found.keys, reader, [5, 6, 7])
+        assert loaded.loaded == 3
+        assert [int(cascade.device.kv[g, 0]) for g in (5, 6, 7)] == [0, 1, 2]
+        cascade.finish_request(reader)
