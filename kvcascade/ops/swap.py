@@ -310,16 +310,41 @@ def _swap_torch(
 def _swap_triton(
     src: torch.Tensor, dst: torch.Tensor, src_ids: np.ndarray, dst_ids: np.ndarray
 ) -> int:
-    mod = _build.load_triton()
-    if mod is None:
-        raise RuntimeError("kernel 'triton' is not available")
-    page = src.shape[1]
     s, d, z = block_descriptors(src, dst, src_ids, dst_ids)
     cuda = dst if dst.is_cuda else src
     if cuda.is_cuda:
         with torch.cuda.device(cuda.device):
-            s, d, z = (t.pin_memory().to(cuda.device, non_blocking=True) for t in (s, d, z))
-            mod.batch_copy(s, d, z, page, kernel_settings().triton_num_programs)
-    else:
-        mod.batch_copy(s, d, z, page, kernel_settings().triton_num_programs)
-    return len(src_ids) * page
+            return triton_batch_copy(s, d, z, src.shape[1], device=cuda.device)
+    return triton_batch_copy(s, d, z, src.shape[1])
+
+
+def triton_batch_copy(
+    src_ptrs: torch.Tensor,
+    dst_ptrs: torch.Tensor,
+    sizes: torch.Tensor,
+    max_page_bytes: int,
+    device: torch.device | None = None,
+) -> int:
+    """The Triton kernel over descriptor arrays (spec §5.4), enqueued on the current stream.
+
+    Args:
+        src_ptrs, dst_ptrs, sizes: 1-D int64 CPU descriptor arrays (sizes multiples of 8 bytes).
+        max_page_bytes: the largest size (chooses the kernel's chunk).
+        device: the CUDA device to run on (descriptors are copied there); None under
+            ``TRITON_INTERPRET=1`` (CPU tensors).
+
+    Returns:
+        bytes enqueued. Raises RuntimeError when Triton is not available.
+    """
+    mod = _build.load_triton()
+    if mod is None:
+        raise RuntimeError("kernel 'triton' is not available")
+    if device is None and torch.cuda.is_available() and not mod.interpreted():
+        device = torch.device("cuda")
+    total = int(sizes.sum())  # before the arrays move to the device
+    if device is not None:
+        src_ptrs, dst_ptrs, sizes = (
+            t.pin_memory().to(device, non_blocking=True) for t in (src_ptrs, dst_ptrs, sizes)
+        )
+    mod.batch_copy(src_ptrs, dst_ptrs, sizes, max_page_bytes, kernel_settings().triton_num_programs)
+    return total

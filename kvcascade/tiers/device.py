@@ -38,8 +38,9 @@ from typing import Any
 import torch
 
 from .._errors import ConfigError, TierUnavailableError
-from ..ops import batch_copy
+from ..ops import _build, batch_copy
 from ..ops.plan import plan_chunk_copies, plan_descriptors
+from ..ops.swap import select_kernel, triton_batch_copy
 from .cpu import HostBuffer
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,7 @@ class DeviceTier:
             ) from exc
         self._cuda = self.device.type == "cuda"
         if self._cuda:
+            _build.extension_if_ready()  # start building the kernels now, off the hot path
             self._streams = {d: torch.cuda.Stream(self.device) for d in ("store", "load")}
             self._bridge: EventBridge | None = EventBridge()
             self._pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
@@ -227,7 +229,13 @@ class DeviceTier:
         assert self._bridge is not None
         stream = self._streams[direction]
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        nbytes = batch_copy(*descriptors, stream=stream, src_access_any=direction == "load")
+        n = len(descriptors[0])
+        host = self.host.tensor()
+        if direction == "load" and select_kernel(host, self.kv, n) == "triton":
+            with torch.cuda.stream(stream):  # many small pages: spec §5.4's Triton kernel
+                nbytes = triton_batch_copy(*descriptors, self.page_bytes)
+        else:
+            nbytes = batch_copy(*descriptors, stream=stream, src_access_any=direction == "load")
         event = torch.cuda.Event(blocking=True)
         event.record(stream)
         await self._bridge.wait(event)
