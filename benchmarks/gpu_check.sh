@@ -122,5 +122,34 @@ for page in pages:
     torch.cuda.empty_cache()
 EOF
 
+echo "== event bridge: CUDA event → awaited future latency (µs), 200 small transfers"
+timeout 60 "$PY" - <<'EOF' || status=1
+import asyncio, time
+import numpy as np, torch
+import kvcascade as kc
+from kvcascade.tiers.device import DeviceTier
+
+async def main():
+    host = kc.HostBuffer(64, 4096)
+    device = DeviceTier(64, host)
+    ids = np.arange(16)
+    lat, direct = [], []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        assert (await device.load(ids, ids)).success
+        lat.append(time.perf_counter() - t0)
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            device.kv[:16].copy_(host.tensor()[:16].to("cuda", non_blocking=True))
+        e = torch.cuda.Event(blocking=True); e.record(s)
+        t0 = time.perf_counter(); e.synchronize(); direct.append(time.perf_counter() - t0)
+    us = lambda xs: np.percentile(np.array(xs) * 1e6, [50, 99])
+    print("awaited load (launch+copy+bridge) p50/p99 µs:", us(lat).round(1))
+    print("plain copy + event.synchronize p50/p99 µs: ", us(direct).round(1))
+    device.close(); host.close()
+
+asyncio.run(main())
+EOF
+
 echo "== done in ${SECONDS}s total since build start, status $status"
 exit $status
