@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import torch
+from tier_helpers import running
 
 import kvcascade as kc
 from kvcascade import LookupResult as R
@@ -25,17 +26,8 @@ async def tiering(
     host = kc.HostBuffer(num_blocks, 64)
     primary = kc.CPUOffloadingManager(num_blocks, enable_events=True)
     tiers = [kc.MemoryTier(host, name=f"mem{i}") for i in range(num_tiers)]
-    async with asyncio.TaskGroup() as group:
-        for tier in tiers:
-            started = asyncio.Event()
-            group.create_task(tier.run(started.set))
-            await started.wait()
-        try:
-            yield kc.TieringCoordinator(primary, tiers), host, tiers
-        finally:
-            for tier in tiers:
-                await tier.drain()
-                tier.close()
+    async with running(*tiers):
+        yield kc.TieringCoordinator(primary, tiers), host, tiers
     host.close()
 
 

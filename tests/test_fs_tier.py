@@ -9,10 +9,8 @@ import asyncio
 import contextlib
 import errno
 import hashlib
-import itertools
 import json
 import os
-import random
 import signal
 import stat
 import subprocess
@@ -20,12 +18,12 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
+from tier_helpers import BLOCK, job, key, load, lookups, pattern, running, store
 
 import kvcascade as kc
 from kvcascade import LookupResult as R
@@ -39,16 +37,6 @@ from kvcascade.tiers.fs import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-BLOCK = 5000  # not a multiple of 4096: exercises the padded payload
-_job_ids = itertools.count()
-
-
-def key(i: int, group: int = 0) -> bytes:
-    return kc.make_offload_key(hashlib.sha256(str(i).encode()).digest()[:16], group)
-
-
-def pattern(i: int, n: int = BLOCK) -> bytes:
-    return random.Random(i).randbytes(n)
 
 
 def mapper(**fields: Any) -> FileMapper:
@@ -60,53 +48,11 @@ def make_tier(root: Path, host: kc.HostBuffer, **kw: Any) -> FileSystemTier:
     return FileSystemTier(host, root, mapper(**fields), **kw)
 
 
-@contextlib.asynccontextmanager
-async def running(*tiers: kc.SecondaryTier) -> AsyncIterator[None]:
-    """Run the tiers' actors in a task group (as ``open_cascade`` does); drain and stop on exit."""
-    async with asyncio.TaskGroup() as group:
-        for tier in tiers:
-            started = asyncio.Event()
-            group.create_task(tier.run(started.set))
-            await started.wait()
-        try:
-            yield
-        finally:
-            for tier in tiers:
-                await tier.drain()
-                tier.close()
-
-
 @pytest.fixture
 def host() -> Iterator[kc.HostBuffer]:
     buf = kc.HostBuffer(16, BLOCK)
     yield buf
     buf.close()
-
-
-def job(keys: list[bytes], slots: list[int], promotion: bool) -> kc.TransferJob:
-    return kc.TransferJob(next(_job_ids), keys, np.asarray(slots, dtype=np.int64), promotion)
-
-
-async def store(
-    tier: FileSystemTier, host: kc.HostBuffer, ids: list[int], slots: list[int] | None = None
-) -> kc.JobResult:
-    slots = slots if slots is not None else list(range(len(ids)))
-    for i, slot in zip(ids, slots, strict=True):
-        host.row(slot)[:] = pattern(i, host.block_bytes)
-    return await tier.submit_store(job([key(i) for i in ids], slots, False))
-
-
-async def load(tier: FileSystemTier, ids: list[int], slots: list[int]) -> kc.JobResult:
-    return await tier.submit_load(job([key(i) for i in ids], slots, True))
-
-
-async def lookups(tier: FileSystemTier, keys: list[bytes], ctx: kc.ReqContext) -> list[R]:
-    """The async-lookup cycle (spec §3.12): RETRY, flush at schedule end, then the verdicts."""
-    first = [tier.lookup(k, ctx) for k in keys]
-    if R.RETRY in first:
-        tier.on_schedule_end(kc.ScheduleEndContext())
-        await tier._lookup.wait_probes()
-    return [tier.lookup(k, ctx) for k in keys]
 
 
 def files(root: Path, suffix: str) -> list[Path]:

@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
-import hashlib
-import itertools
 import json
 import logging
 import os
-import random
 import sys
 import textwrap
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +23,7 @@ import numpy as np
 import pytest
 import s3_fixtures
 from s3_fixtures import ACCESS_KEY, SECRET_KEY, Fault, FaultProxy, MotoServer, free_port
+from tier_helpers import BLOCK, job, key, load, lookups, pattern, running, store
 
 import kvcascade as kc
 from kvcascade import LookupResult as R
@@ -43,16 +40,6 @@ moto = s3_fixtures.moto  # the session's moto_server process
 bucket = s3_fixtures.bucket  # a fresh bucket on it
 
 REPO = Path(__file__).resolve().parent.parent
-BLOCK = 5000  # not a multiple of 4096: exercises the padding
-_job_ids = itertools.count()
-
-
-def key(i: int, group: int = 0) -> bytes:
-    return kc.make_offload_key(hashlib.sha256(str(i).encode()).digest()[:16], group)
-
-
-def pattern(i: int, n: int = BLOCK) -> bytes:
-    return random.Random(i).randbytes(n)
 
 
 def tier_config(endpoint: str, bucket: str, **kw: Any) -> dict[str, Any]:
@@ -74,54 +61,11 @@ def make_tier(
     return s3_tier_from_config(host, mapper, tier_config(endpoint, bucket, **kw))
 
 
-@contextlib.asynccontextmanager
-async def running(*tiers: kc.SecondaryTier) -> AsyncIterator[None]:
-    """Run the tiers' actors (as ``open_cascade`` does); drain and stop them on exit."""
-    actors = []
-    for tier in tiers:
-        started = asyncio.Event()
-        actors.append(asyncio.create_task(tier.run(started.set)))
-        await started.wait()
-    try:
-        yield
-    finally:
-        for tier in tiers:
-            await tier.drain()
-            tier.close()
-        await asyncio.gather(*actors)
-
-
 @pytest.fixture
 def host() -> Iterator[kc.HostBuffer]:
     buf = kc.HostBuffer(16, BLOCK)
     yield buf
     buf.close()
-
-
-def job(keys: list[bytes], slots: list[int], promotion: bool) -> kc.TransferJob:
-    return kc.TransferJob(next(_job_ids), keys, np.asarray(slots, dtype=np.int64), promotion)
-
-
-async def store(
-    tier: S3Tier, host: kc.HostBuffer, ids: list[int], slots: list[int] | None = None
-) -> kc.JobResult:
-    slots = slots if slots is not None else list(range(len(ids)))
-    for i, slot in zip(ids, slots, strict=True):
-        host.row(slot)[:] = pattern(i, host.block_bytes)
-    return await tier.submit_store(job([key(i) for i in ids], slots, False))
-
-
-async def load(tier: S3Tier, ids: list[int], slots: list[int]) -> kc.JobResult:
-    return await tier.submit_load(job([key(i) for i in ids], slots, True))
-
-
-async def lookups(tier: S3Tier, keys: list[bytes], ctx: kc.ReqContext) -> list[R]:
-    """The async-lookup cycle (spec §3.12): RETRY, flush at schedule end, then the verdicts."""
-    first = [tier.lookup(k, ctx) for k in keys]
-    if R.RETRY in first:
-        tier.on_schedule_end(kc.ScheduleEndContext())
-        await tier._lookup.wait_probes()
-    return [tier.lookup(k, ctx) for k in keys]
 
 
 def fresh(tier: S3Tier) -> S3Tier:
