@@ -80,6 +80,7 @@ from ..tiers._file_mapper import default_identity
 from ..tiers.base import SecondaryTier
 from ..tiers.registry import TierContext, create_secondary_tier
 from ..tiers.shm import SharedOffloadRegion, region_geometry
+from ..views import block_views
 from ._loop import LoopThread
 
 if TYPE_CHECKING:
@@ -453,17 +454,11 @@ class _WorkerSide:
             for name in group.layer_names:
                 ref = group_kernel_blocks(kv_caches[name], num_blocks)
                 self.device = ref.device
-                elem = ref.element_size()
-                page = ref[0].numel() * elem
                 ident = (ref.data_ptr(), ref.stride(0))
                 if ident in seen:  # layers sharing one tensor share its bytes
                     continue
-                gpu = torch.tensor([], dtype=torch.int8, device=ref.device).set_(
-                    ref.untyped_storage(),
-                    ref.storage_offset() * elem,
-                    (num_blocks, page),
-                    (ref.stride(0) * elem, 1),
-                )
+                (gpu,) = block_views(ref)  # zero-copy int8 (num_blocks, page), spec §1.6
+                page = gpu.shape[1]
                 seen[ident] = gpu
                 views.append(_LayerViews(gpu, self.region.create_next_worker_view(page * k), page))
             self.groups.append(views)
