@@ -189,3 +189,27 @@ def test_overwritten_kv_changes_tokens(offload_llm: LLM, baseline: dict[str, lis
     corrupted, cached = generate(offload_llm, PROMPT)
     assert cached == 96
     assert corrupted != baseline["prompt"]
+
+
+def test_worker_metadata_aggregates_across_workers() -> None:
+    """§9.14 348–351: counts summed per job id, disjoint ids united, three workers, failures
+    united and transfer totals summed."""
+    meta = kcv.KVCascadeWorkerMetadata
+    a = meta({42: 1, 7: 1}, {9}, load_bytes=10, store_bytes=1, load_seconds=0.5)
+    b = meta({42: 1, 7: 1, 5: 1}, set(), load_bytes=20, store_bytes=2, store_seconds=0.25)
+    c = meta({5: 1}, {8}, load_bytes=0, store_bytes=3)
+    total = a.aggregate(b).aggregate(c)
+    assert total.completed == {42: 2, 7: 2, 5: 2}
+    assert total.failed == {8, 9}
+    assert (total.load_bytes, total.store_bytes) == (30, 6)
+    assert (total.load_seconds, total.store_seconds) == (0.5, 0.25)
+    assert a.completed == {42: 1, 7: 1}  # inputs untouched
+
+
+def test_unsupported_vllm_version_is_a_clear_error() -> None:
+    """The adapter refuses vLLM outside the supported range, naming it."""
+    kcv.check_vllm_version("0.32.0")
+    kcv.check_vllm_version("0.32.5.dev3")
+    for version in ("0.31.9", "0.33.0"):
+        with pytest.raises(RuntimeError, match=r"vllm>=0\.32,<0\.33"):
+            kcv.check_vllm_version(version)
