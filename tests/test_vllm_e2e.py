@@ -213,3 +213,31 @@ def test_unsupported_vllm_version_is_a_clear_error() -> None:
     for version in ("0.31.9", "0.33.0"):
         with pytest.raises(RuntimeError, match=r"vllm>=0\.32,<0\.33"):
             kcv.check_vllm_version(version)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"cpu_bytes_to_use": 4 << 20, "blocks_per_chunk": 0}, "greater than 0"),
+        (
+            {"cpu_bytes_to_use": 4 << 20, "block_size": 64, "blocks_per_chunk": 2},
+            "Specify only one",
+        ),
+        ({"blocks_per_chunk": 1}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": 4 << 20, "secondary_tiers": {"type": "fs"}}, "must be a list"),
+    ],
+)
+def test_engine_refuses_bad_connector_config(
+    model_dir: Path, extra: dict[str, Any], message: str
+) -> None:
+    """§9.15 / §1.9: the connector validates kv_connector_extra_config with vLLM's rules and the
+    engine fails to start with the rule's message."""
+    config = {
+        "kv_connector": "KVCascadeConnector",
+        "kv_connector_module_path": "kvcascade.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+    with pytest.raises(Exception, match=message):
+        make_llm(model_dir, config)
+    gc.collect()
