@@ -330,25 +330,21 @@ async def test_promotion_stuck_before_touching_rows_frees_its_slot_at_the_deadli
     primary = kc.CPUOffloadingManager(1)
     tier = StuckTier(host, inside_rows=False)
     tier.blocks[key(1)] = b"\x01" * 64
-    started = asyncio.Event()
-    actor = asyncio.create_task(tier.run(started.set))
-    await started.wait()
-    coord = kc.TieringCoordinator(primary, [tier])
-    ctx = kc.ReqContext("a")
-    assert coord.lookup(key(1), ctx, verdicts={0: True}) is R.HIT_PENDING
-    (future,) = coord.on_schedule_end()
-    result = await asyncio.wait_for(future, 5)
-    assert not result.success and not result.abandoned
-    coord.poll_now()
-    assert primary.num_free == 1
-    out = coord.prepare_store([key(2)], ctx)  # the slot is reused at once …
-    host.row(int(out.store_spec.block_ids[0]))[:] = b"\x02" * 64
-    coord.complete_store(out.keys_to_store, ctx)
-    tier.gate.set()  # … and the late thread does not write into it
-    await asyncio.sleep(0.1)
-    assert bytes(host.row(int(out.store_spec.block_ids[0]))) == b"\x02" * 64
-    tier.close()
-    await actor
+    async with running(tier):
+        coord = kc.TieringCoordinator(primary, [tier])
+        ctx = kc.ReqContext("a")
+        assert coord.lookup(key(1), ctx, verdicts={0: True}) is R.HIT_PENDING
+        (future,) = coord.on_schedule_end()
+        result = await asyncio.wait_for(future, 5)
+        assert not result.success and not result.abandoned
+        coord.poll_now()
+        assert primary.num_free == 1
+        out = coord.prepare_store([key(2)], ctx)  # the slot is reused at once …
+        host.row(int(out.store_spec.block_ids[0]))[:] = b"\x02" * 64
+        coord.complete_store(out.keys_to_store, ctx)
+        tier.gate.set()  # … and the late thread does not write into it
+        await asyncio.sleep(0.1)
+        assert bytes(host.row(int(out.store_spec.block_ids[0]))) == b"\x02" * 64
     host.close()
 
 
@@ -360,29 +356,25 @@ async def test_abandoned_promotion_keeps_its_slot_until_the_thread_returns() -> 
     primary = kc.CPUOffloadingManager(2)
     tier = StuckTier(host)
     tier.blocks[key(1)] = b"\x01" * 64
-    started = asyncio.Event()
-    actor = asyncio.create_task(tier.run(started.set))
-    await started.wait()
-    coord = kc.TieringCoordinator(primary, [tier])
-    ctx = kc.ReqContext("a")
-    assert coord.lookup(key(1), ctx, verdicts={0: True}) is R.HIT_PENDING
-    (future,) = coord.on_schedule_end()
-    result = await asyncio.wait_for(future, 5)
-    assert result.abandoned and not result.success
-    coord.poll_now()
-    assert coord.lookup(key(1), ctx, verdicts={0: False}) is R.MISS
-    assert primary.num_free == 1  # the slot the stuck read may still write stays out of use
-    await coord.reset_cache()  # the reset keeps it reserved too
-    assert primary.num_free == 1
-    tier.gate.set()  # the read returns late
-    for _ in range(100):
-        await asyncio.sleep(0.01)
+    async with running(tier):
+        coord = kc.TieringCoordinator(primary, [tier])
+        ctx = kc.ReqContext("a")
+        assert coord.lookup(key(1), ctx, verdicts={0: True}) is R.HIT_PENDING
+        (future,) = coord.on_schedule_end()
+        result = await asyncio.wait_for(future, 5)
+        assert result.abandoned and not result.success
         coord.poll_now()
-        if primary.num_free == 2:
-            break
-    assert primary.num_free == 2
-    tier.close()
-    await actor
+        assert coord.lookup(key(1), ctx, verdicts={0: False}) is R.MISS
+        assert primary.num_free == 1  # the slot the stuck read may still write stays out of use
+        await coord.reset_cache()  # the reset keeps it reserved too
+        assert primary.num_free == 1
+        tier.gate.set()  # the read returns late
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            coord.poll_now()
+            if primary.num_free == 2:
+                break
+        assert primary.num_free == 2
     host.close()
 
 
@@ -392,27 +384,23 @@ async def test_abandoned_cascade_keeps_its_read_pin() -> None:
     host = kc.HostBuffer(1, 64)
     primary = kc.CPUOffloadingManager(1)
     tier = StuckTier(host)
-    started = asyncio.Event()
-    actor = asyncio.create_task(tier.run(started.set))
-    await started.wait()
-    coord = kc.TieringCoordinator(primary, [tier])
-    ctx = kc.ReqContext("a")
-    out = coord.prepare_store([key(1)], ctx)
-    coord.complete_store(out.keys_to_store, ctx)
-    result = await asyncio.wait_for(coord.job_futures()[0], 5)
-    assert result.abandoned
-    coord.poll_now()
-    assert primary.get_block(key(1)).ref_cnt == 1
-    assert coord.prepare_store([key(2)], ctx) is None  # cannot evict the block being read
-    tier.gate.set()
-    for _ in range(100):
-        await asyncio.sleep(0.01)
+    async with running(tier):
+        coord = kc.TieringCoordinator(primary, [tier])
+        ctx = kc.ReqContext("a")
+        out = coord.prepare_store([key(1)], ctx)
+        coord.complete_store(out.keys_to_store, ctx)
+        result = await asyncio.wait_for(coord.job_futures()[0], 5)
+        assert result.abandoned
         coord.poll_now()
-        if primary.get_block(key(1)).ref_cnt == 0:
-            break
-    assert primary.get_block(key(1)).ref_cnt == 0
-    tier.close()
-    await actor
+        assert primary.get_block(key(1)).ref_cnt == 1
+        assert coord.prepare_store([key(2)], ctx) is None  # cannot evict the block being read
+        tier.gate.set()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            coord.poll_now()
+            if primary.get_block(key(1)).ref_cnt == 0:
+                break
+        assert primary.get_block(key(1)).ref_cnt == 0
     host.close()
 
 
