@@ -36,18 +36,31 @@ from ._types import (
 )
 from .cascade import Cascade, LoadResult, PrefixLookup, StoreResult, open_cascade
 from .coordinator import TieringCoordinator
+from .hints import SessionHint, hint_of
 from .index.cpu import CPUOffloadingManager
 from .metrics import TieringMetrics
-from .policies import BlockStatus, CachePolicy, register_cache_policy
+from .ops import batch_copy, swap_blocks
+from .policies import (
+    ARCCachePolicy,
+    BlockStatus,
+    CachePolicy,
+    LRUCachePolicy,
+    TurnAwareCachePolicy,
+    register_cache_policy,
+)
 from .tiers.base import SecondaryTier
 from .tiers.cpu import HostBuffer
-from .tiers.device import DeviceTier
+from .tiers.device import DeviceTier, DeviceTransfer, EventBridge
 from .tiers.fs import FileSystemTier
 from .tiers.memory import MemoryTier
+from .tiers.registry import TierContext, register_secondary_tier
+from .tiers.shm import SharedOffloadRegion, region_geometry
+from .views import block_views, canonical_views
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ARCCachePolicy",
     "BlockIDsLoadStoreSpec",
     "BlockStatus",
     "BlockUnavailableError",
@@ -59,11 +72,14 @@ __all__ = [
     "ConfigError",
     "CorruptBlockError",
     "DeviceTier",
+    "DeviceTransfer",
+    "EventBridge",
     "FileSystemTier",
     "GPULoadStoreSpec",
     "HostBuffer",
     "JobResult",
     "KVCascadeError",
+    "LRUCachePolicy",
     "LoadResult",
     "LoadStoreSpec",
     "LookupResult",
@@ -77,16 +93,27 @@ __all__ = [
     "RequestOffloadingContext",
     "ScheduleEndContext",
     "SecondaryTier",
+    "SessionHint",
+    "SharedOffloadRegion",
     "StoreResult",
+    "TierContext",
     "TierUnavailableError",
     "TieringCoordinator",
     "TieringMetrics",
     "TraceError",
     "TransferError",
     "TransferJob",
+    "TurnAwareCachePolicy",
     "__version__",
+    "batch_copy",
+    "block_views",
+    "canonical_views",
+    "hint_of",
     "make_offload_key",
     "open_cascade",
+    "region_geometry",
     "register_cache_policy",
+    "register_secondary_tier",
     "split_offload_key",
+    "swap_blocks",
 ]
