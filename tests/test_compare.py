@@ -114,9 +114,7 @@ def test_free_rules_never_store_partial_blocks(trace_slice: list[TraceRequest]) 
     capacity = unique_blocks(trace_slice)  # nothing is ever evicted
     run = simulate(trace_slice, "turn_aware", capacity, free_rules=True)
     # Every hit block is a complete block of an earlier request.
-    full = {
-        h for r in trace_slice for h in r.hash_ids[: storable_blocks(r, free_rules=True)]
-    }
+    full = {h for r in trace_slice for h in r.hash_ids[: storable_blocks(r, free_rules=True)]}
     seen: set[int] = set()
     expected = 0
     for r in trace_slice:

@@ -11,7 +11,7 @@ import collections
 import threading
 from collections.abc import Sequence
 
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -171,6 +171,9 @@ class CoordinatorModel(RuleBasedStateMachine):
 
 
 CoordinatorModel.TestCase.settings = settings(
-    max_examples=40, stateful_step_count=30, deadline=None
+    max_examples=40,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 TestCoordinatorModel = CoordinatorModel.TestCase

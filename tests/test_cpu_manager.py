@@ -377,9 +377,7 @@ def test_evictable_cache_block_count(policy: str, monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
-def test_touch_forwards_req_context_to_policy(
-    policy: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_touch_forwards_req_context_to_policy(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """§9.1.26: manager.touch passes the same keys and ReqContext object to the policy."""
     mgr = CPUOffloadingManager(2, policy)
     seen = []

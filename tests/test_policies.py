@@ -7,7 +7,7 @@ import sys
 import types
 
 import pytest
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -248,8 +248,11 @@ class ManagerMachine(RuleBasedStateMachine):
         for key in keys:
             n = self.ref.get(key)
             want = (
-                LookupResult.MISS if n is None
-                else LookupResult.HIT_PENDING if n < 0 else LookupResult.HIT
+                LookupResult.MISS
+                if n is None
+                else LookupResult.HIT_PENDING
+                if n < 0
+                else LookupResult.HIT
             )
             assert self.mgr.lookup(key) is want
 
@@ -284,7 +287,12 @@ class ARCManagerMachine(ManagerMachine):
     policy_name = "arc"
 
 
-_settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+_settings = settings(
+    max_examples=150,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 TestLRUManagerModel = ManagerMachine.TestCase
 TestLRUManagerModel.settings = _settings
 TestARCManagerModel = ARCManagerMachine.TestCase

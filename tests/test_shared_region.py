@@ -62,12 +62,20 @@ def small_tmpfs(tmp_path) -> Iterator[str]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def region(shm_dir: str, rank: int | None = 0, workers: int = 1, page: int = PAGE,
-           blocks: int = 4, iid: str = "r", **kw) -> SharedOffloadRegion:
+def region(
+    shm_dir: str,
+    rank: int | None = 0,
+    workers: int = 1,
+    page: int = PAGE,
+    blocks: int = 4,
+    iid: str = "r",
+    **kw,
+) -> SharedOffloadRegion:
     return SharedOffloadRegion(iid, blocks, page, workers, rank, directory=shm_dir, **kw)
 
 
 # -- worker views (§9.2.27–39) ---------------------------------------------------------------
+
 
 def test_create_next_worker_view_shape_and_stride(shm_dir: str) -> None:
     """§9.2.27: view shape (num_blocks, tensor_page), strides (cpu_page × workers, 1), int8."""
@@ -153,6 +161,7 @@ def test_create_next_worker_view_worker_isolation(shm_dir: str) -> None:
 
 # -- creation, files, cleanup (§9.2.40–43, 52–55) -------------------------------------------
 
+
 def test_creator_and_joiner_flags_file_and_size(shm_dir: str) -> None:
     """§9.2.40–43: first opener creates (mode 0600), the second joins; size = blocks × stride."""
     r0 = region(shm_dir, rank=0, workers=2)
@@ -182,6 +191,7 @@ def test_cleanup_effects_and_idempotence(shm_dir: str) -> None:
 
 # -- prefault (§9.2.44–48) ---------------------------------------------------------------------
 
+
 def test_madvise_success_selects_madvise_population(shm_dir: str, monkeypatch) -> None:
     """§9.2.44: with MADV_POPULATE_WRITE, one probe plus one call per row of a ranked region
     (its slot only) and no fallback."""
@@ -197,6 +207,7 @@ def test_madvise_success_selects_madvise_population(shm_dir: str, monkeypatch) -
 def test_madvise_einval_selects_fallback(shm_dir: str, monkeypatch, rank: int | None) -> None:
     """§9.2.45/46: EINVAL from the probe → the touch fallback over every ranked slot, or one
     range covering the whole unranked region."""
+
     def einval(mm, s, n):
         raise OSError(errno.EINVAL, "no such advice")
 
@@ -223,6 +234,7 @@ def test_fallback_populate_write_preserves_bytes(shm_dir: str) -> None:
 
 def test_madvise_unexpected_oserror_propagates(shm_dir: str, monkeypatch) -> None:
     """§9.2.48: a non-EINVAL error (EIO) escapes the constructor; the creator leaves no file."""
+
     def eio(mm, s, n):
         raise OSError(errno.EIO, "io error")
 
@@ -233,6 +245,7 @@ def test_madvise_unexpected_oserror_propagates(shm_dir: str, monkeypatch) -> Non
 
 
 # -- races and waiting (§9.2.49–51, 56–58) ----------------------------------------------------
+
 
 def test_multi_worker_race_exactly_one_creator(shm_dir: str) -> None:
     """§9.2.49/50: racing threads: exactly one creator, all construct, a byte written through
@@ -294,12 +307,14 @@ def test_joiner_with_other_geometry_fails(shm_dir: str) -> None:
 
 # -- space and sizing failures (§9.2.59/60) ----------------------------------------------------
 
+
 def test_insufficient_space_raises_clear_error(shm_dir: str, monkeypatch) -> None:
     """§9.2.59: a failed space check names requested bytes, available bytes and path; no file
     is left."""
     real = os.statvfs
     monkeypatch.setattr(
-        shm.os, "statvfs",
+        shm.os,
+        "statvfs",
         lambda p: os.statvfs_result((*real(p)[:4], 1, *real(p)[5:])),
     )
     with pytest.raises(InsufficientSpaceError, match="Insufficient space") as info:
@@ -320,6 +335,7 @@ def test_too_large_region_on_small_tmpfs_fails_at_init(small_tmpfs: str) -> None
 
 def test_ftruncate_failure_cleans_up_creator(shm_dir: str, monkeypatch) -> None:
     """§9.2.60: a failing ftruncate unlinks and closes before re-raising."""
+
     def fail(fd, n):
         raise OSError(errno.ENOSPC, "no space")
 
@@ -330,6 +346,7 @@ def test_ftruncate_failure_cleans_up_creator(shm_dir: str, monkeypatch) -> None:
 
 
 # -- zero-copy views and the HostBuffer interface ------------------------------------------------
+
 
 def test_views_are_zero_copy(shm_dir: str) -> None:
     """A write through the tensor is seen through the memoryviews and rows, and vice versa."""
@@ -376,6 +393,7 @@ def test_sizing_from_config() -> None:
 
 # -- crash safety --------------------------------------------------------------------------------
 
+
 def test_stale_region_of_dead_owner_is_removed_live_one_kept(shm_dir: str) -> None:
     """A region no live process holds and whose owner is gone is removed at startup; one that a
     live process maps is never removed."""
@@ -414,12 +432,24 @@ sys.stdin.readline()
 """
 
 
-def spawn(directory: str, iid: str, rank: str, workers: int, expected: int,
-          blocks: int = 4) -> subprocess.Popen:
+def spawn(
+    directory: str, iid: str, rank: str, workers: int, expected: int, blocks: int = 4
+) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-c", CHILD, directory, iid, rank, str(workers), str(expected),
-         str(blocks)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            directory,
+            iid,
+            rank,
+            str(workers),
+            str(expected),
+            str(blocks),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -459,8 +489,9 @@ def test_kill_9_restarts_leave_usage_flat(shm_dir: str) -> None:
         for p in procs:
             assert p.stdout.readline().startswith("ready")
         files.append(sorted(os.listdir(shm_dir)))
-        sizes.append(sum(os.stat(os.path.join(shm_dir, f)).st_blocks * 512
-                         for f in os.listdir(shm_dir)))
+        sizes.append(
+            sum(os.stat(os.path.join(shm_dir, f)).st_blocks * 512 for f in os.listdir(shm_dir))
+        )
         for p in procs:
             os.kill(p.pid, signal.SIGKILL)
         for p in procs:
@@ -470,7 +501,9 @@ def test_kill_9_restarts_leave_usage_flat(shm_dir: str) -> None:
     assert all(f == ["kvcascade_crash.mmap", "kvcascade_crash.owner"] for f in files)
     assert max(sizes) == min(sizes) and sizes[0] <= blocks * 2 * PAGE + 2 * PAGE
     used_before = _tmpfs_used(shm_dir)
-    assert remove_stale_regions(shm_dir) == [os.path.join(shm_dir, "kvcascade_crash.mmap"),
-                                             os.path.join(shm_dir, "kvcascade_crash.owner")]
+    assert remove_stale_regions(shm_dir) == [
+        os.path.join(shm_dir, "kvcascade_crash.mmap"),
+        os.path.join(shm_dir, "kvcascade_crash.owner"),
+    ]
     assert os.listdir(shm_dir) == []
     assert _tmpfs_used(shm_dir) <= used_before

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
 
@@ -131,7 +131,12 @@ class TurnAwareMachine(RuleBasedStateMachine):
 
 
 TestTurnAwareMachine = TurnAwareMachine.TestCase
-TestTurnAwareMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestTurnAwareMachine.settings = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 def _store(mgr: CPUOffloadingManager, keys: list[bytes], ctx: ReqContext | None = None) -> list:
