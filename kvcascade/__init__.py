@@ -34,7 +34,15 @@ from ._types import (
     ScheduleEndContext,
     TransferJob,
 )
-from .cascade import Cascade, LoadResult, PrefixLookup, StoreResult, open_cascade
+from .cascade import (
+    Cascade,
+    LoadResult,
+    PrefixLookup,
+    StoreResult,
+    open_cascade,
+    start_tier_actors,
+    stop_tier_actors,
+)
 from .coordinator import TieringCoordinator
 from .hints import SessionHint, hint_of
 from .index.cpu import CPUOffloadingManager
@@ -115,5 +123,7 @@ __all__ = [
     "register_cache_policy",
     "register_secondary_tier",
     "split_offload_key",
+    "start_tier_actors",
+    "stop_tier_actors",
     "swap_blocks",
 ]
