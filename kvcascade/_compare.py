@@ -37,7 +37,7 @@ from ._opt import belady_hits
 from ._replay import block_key
 from ._trace import TOKENS_PER_BLOCK, TraceRequest
 from ._types import LookupResult, ReqContext
-from .hints import SessionHint
+from .hints import SessionHint, admits_new_blocks
 from .index.cpu import CPUOffloadingManager
 
 _HIT = LookupResult.HIT
@@ -154,7 +154,7 @@ def simulate(
         if run:
             manager.prepare_load(keys[:run], ctx)
             manager.complete_load(keys[:run], ctx)
-        new = store_keys[run:]
+        new = store_keys[run:] if admits_new_blocks(ctx, manager.policy) else []
         for start in range(0, len(new), piece):
             out = manager.prepare_store(new[start : start + piece], ctx)
             if out is None:

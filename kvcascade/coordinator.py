@@ -45,6 +45,7 @@ from ._types import (
     ScheduleEndContext,
     TransferJob,
 )
+from .hints import admits_new_blocks
 from .index.cpu import CPUOffloadingManager
 from .metrics import TieringMetrics
 from .policies.base import BlockStatus
@@ -363,9 +364,13 @@ class TieringCoordinator:
         """Allocate primary slots for a GPU→CPU store (spec §3.7); None when full.
 
         For a request with request-level tiers, keys already readable in the primary are sent
-        to those tiers now (one store job per tier); keys being written are skipped.
+        to those tiers now (one store job per tier); keys being written are skipped. A request
+        hinted ``continues=False`` stores nothing new unless the policy reads hints itself
+        (:func:`kvcascade.hints.admits_new_blocks`).
         """
         self._poll()
+        if not admits_new_blocks(ctx, self.primary.policy):
+            return PrepareStoreOutput([], CPULoadStoreSpec([]), [])
         out = self.primary.prepare_store(keys, ctx)
         if out is None:
             return None

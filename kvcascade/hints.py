@@ -66,9 +66,7 @@ class SessionHint:
             raise ValueError(f"ttl_s must be a positive number of seconds, got {self.ttl_s!r}")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise ValueError(f"priority must be an int, got {self.priority!r}")
-        object.__setattr__(
-            self, "priority", max(-MAX_PRIORITY, min(MAX_PRIORITY, self.priority))
-        )
+        object.__setattr__(self, "priority", max(-MAX_PRIORITY, min(MAX_PRIORITY, self.priority)))
 
     @classmethod
     def from_params(cls, params: dict[str, Any] | None) -> SessionHint | None:
@@ -105,3 +103,16 @@ def hint_of(ctx: ReqContext | None) -> SessionHint | None:
         if hint is not None:
             ctx.set_state(hint)
     return hint
+
+
+def admits_new_blocks(ctx: ReqContext | None, policy: object) -> bool:
+    """The simple hint rule for policies that do not read hints themselves (LRU, ARC): a
+    request whose session will not continue (``continues=False``) stores no new blocks — they
+    would only push out blocks that will be read again. Shared prefixes it reuses are already
+    cached; promotions for the request itself are not affected. Policies that read hints
+    (``uses_hints = True``, e.g. ``turn_aware``) decide for themselves.
+    """
+    if getattr(policy, "uses_hints", False):
+        return True
+    hint = hint_of(ctx)
+    return hint is None or hint.continues is not False

@@ -470,3 +470,18 @@ async def test_a_prefix_key_evicted_by_its_own_promotions_is_found_in_the_second
         assert loaded.loaded == 3
         assert [int(cascade.device.kv[g, 0]) for g in (5, 6, 7)] == [0, 1, 2]
         cascade.finish_request(reader)
+
+
+async def test_lru_admission_rule_for_sessions_that_will_not_continue() -> None:
+    """Issue #9: with LRU/ARC, a request hinted ``continues=False`` stores no new blocks (they
+    would only push out blocks that are read again); unhinted requests store as before."""
+    async with tiering(num_blocks=4, num_tiers=0) as (coord, _host, _tiers):
+        done = kc.ReqContext("last-turn")
+        done.set_state(kc.SessionHint(continues=False))
+        assert coord.prepare_store([key(1), key(2)], done).keys_to_store == []
+        via_params = kc.ReqContext("p", {"kvcascade_hint": {"continues": False}})
+        assert coord.prepare_store([key(3)], via_params).keys_to_store == []
+        going_on = kc.ReqContext("next-turn")
+        going_on.set_state(kc.SessionHint(continues=True))
+        assert coord.prepare_store([key(1)], going_on).keys_to_store == [key(1)]
+        assert coord.prepare_store([key(4)], kc.ReqContext("plain")).keys_to_store == [key(4)]

@@ -55,6 +55,11 @@ class CachePolicy(ABC):
     ``ref_cnt`` becomes 0, ``mark_non_evictable`` exactly when it leaves 0.
     """
 
+    #: True for policies that read :class:`kvcascade.SessionHint` s themselves (through the
+    #: ``ctx`` of ``touch``); the others get the simple admission rule of
+    #: :func:`kvcascade.hints.admits_new_blocks`.
+    uses_hints: bool = False
+
     def __init__(self, cache_capacity: int) -> None:
         self.cache_capacity = cache_capacity
 
@@ -79,9 +84,7 @@ class CachePolicy(ABC):
         """Mark ``keys`` recently used; the *first* key ends up most recent."""
 
     @abstractmethod
-    def evict(
-        self, n: int, protected: Collection[bytes]
-    ) -> list[tuple[bytes, BlockStatus]] | None:
+    def evict(self, n: int, protected: Collection[bytes]) -> list[tuple[bytes, BlockStatus]] | None:
         """Choose and forget exactly ``n`` evictable (``ref_cnt == 0``), unprotected blocks.
 
         Atomic: returns None and changes nothing when the policy finds fewer than ``n``

@@ -124,6 +124,8 @@ class TurnAwareCachePolicy(CachePolicy):
         ValueError: a parameter out of range.
     """
 
+    uses_hints = True
+
     def __init__(
         self,
         cache_capacity: int,
@@ -389,9 +391,7 @@ class TurnAwareCachePolicy(CachePolicy):
         self._evictable -= 1
         self._unpush(self._blocks[key])
 
-    def evict(
-        self, n: int, protected: Collection[bytes]
-    ) -> list[tuple[bytes, BlockStatus]] | None:
+    def evict(self, n: int, protected: Collection[bytes]) -> list[tuple[bytes, BlockStatus]] | None:
         if n <= 0:
             return []
         blocks = self._blocks
@@ -469,8 +469,7 @@ class TurnAwareCachePolicy(CachePolicy):
         state = {
             "version": _STATE_VERSION,
             "classes": [
-                {"key": list(s.key), "labels": s.labels, "reads": s.reads}
-                for s in self._classes
+                {"key": list(s.key), "labels": s.labels, "reads": s.reads} for s in self._classes
             ],
             "pooled": {"labels": self._pooled.labels, "reads": self._pooled.reads},
         }
@@ -505,9 +504,10 @@ class TurnAwareCachePolicy(CachePolicy):
             pooled_reads = [float(r) for r in state["pooled"]["reads"]]
         except (KeyError, TypeError) as exc:
             raise ValueError(f"{os.fspath(path)}: malformed policy state ({exc!r})") from exc
-        if any(len(k) != 4 or len(r) != _BUCKETS for k, _, r in loaded) or len(
-            pooled_reads
-        ) != _BUCKETS:
+        if (
+            any(len(k) != 4 or len(r) != _BUCKETS for k, _, r in loaded)
+            or len(pooled_reads) != _BUCKETS
+        ):
             raise ValueError(f"{os.fspath(path)}: policy state of another shape")
         for stats in self._classes:
             stats.labels = 0.0
