@@ -5,10 +5,14 @@
 #
 # 1. builds the extension (C++ + CUDA) and loads the Triton kernel, printing what is available;
 # 2. compiles kernels/swap_blocks_cuda.cu standalone with nvcc (if nvcc is on PATH);
-# 3. runs tests/test_kernels.py (CPU cases plus the same cases with CUDA tensors);
+# 3. runs tests/test_kernels.py and tests/test_device_tier.py (CPU cases plus the same cases with
+#    CUDA tensors);
 # 4. prints H2D (load) and D2H (store) GB/s for pages 4 KiB … 2 MiB: swap_blocks with the C++ op
 #    and with the Triton kernel, on a side stream, against one contiguous torch copy_ from/to
-#    pinned memory of the same bytes (plain cudaMemcpyAsync).
+#    pinned memory of the same bytes (plain cudaMemcpyAsync);
+# 5. times the CUDA event → asyncio future bridge;
+# 6. replays the first 2,000 requests of the bundled trace with the KV cache on the GPU, every
+#    loaded block compared byte for byte (corrupt blocks must read 0).
 # Environment: KVCASCADE_BUILD_DIR (default build/kvcascade_ext), GPU_CHECK_TOTAL_MIB (256).
 # Exit status: non-zero if the build, nvcc or the tests failed (the benchmark still runs).
 set -uo pipefail
@@ -16,7 +20,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export KVCASCADE_BUILD_DIR="${KVCASCADE_BUILD_DIR:-$PWD/build/kvcascade_ext}"
-PY="${PYTHON:-python}"
+PY="${PYTHON:-$(command -v python || command -v python3)}"
 status=0
 
 echo "== environment"
@@ -61,7 +65,9 @@ else
 fi
 
 echo "== tests"
-timeout 300 "$PY" -m pytest tests/test_kernels.py -q -p no:cacheprovider -rs || status=1
+# -W default: a deprecation warning of the GPU machine's torch build must not hide the results.
+timeout 300 "$PY" -m pytest tests/test_kernels.py tests/test_device_tier.py -q -p no:cacheprovider \
+    -rs -W default || status=1
 
 echo "== bandwidth (GB/s = 1e9 bytes/s, median of 5, side stream)"
 timeout 240 "$PY" - <<'EOF' || status=1
@@ -149,6 +155,14 @@ async def main():
     device.close(); host.close()
 
 asyncio.run(main())
+EOF
+
+echo "== replay on the GPU: 2,000 requests, byte-exact check of every loaded block"
+timeout 120 "$PY" - <<'EOF' || status=1
+import sys, torch
+from kvcascade._cli import main
+print(f"KV cache device: cuda ({torch.cuda.get_device_name()})")
+sys.exit(main(["replay", "--requests", "2000", "--quiet"]))
 EOF
 
 echo "== done in ${SECONDS}s total since build start, status $status"

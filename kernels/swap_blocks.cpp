@@ -11,12 +11,18 @@
 //
 // Descriptors must not overlap (memcpy semantics). Addresses are trusted: the Python wrapper
 // kvcascade.ops.swap computes them from validated tensors.
+//
+// Errors are thrown as plain std::invalid_argument / std::runtime_error (pybind11 turns them into
+// ValueError / RuntimeError), never as c10::Error (TORCH_CHECK): on the H200 image's torch 2.11.0
+// +cu130 (GCC 13.3) any c10::Error thrown from an extension - even a one-line load_inline one -
+// crashed the interpreter with SIGSEGV, while std exceptions were caught normally.
 
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -31,18 +37,28 @@ extern "C" const char* kvcascade_cuda_error_string(int code);
 
 namespace {
 
+// TORCH_CHECK_VALUE / TORCH_CHECK without c10::Error (see the note at the top of this file).
+#define KVC_CHECK_VALUE(cond, ...)                                     \
+  do {                                                                 \
+    if (!(cond)) throw std::invalid_argument(c10::str(__VA_ARGS__));   \
+  } while (0)
+#define KVC_CHECK(cond, ...)                                           \
+  do {                                                                 \
+    if (!(cond)) throw std::runtime_error(c10::str(__VA_ARGS__));      \
+  } while (0)
+
 constexpr int64_t kParallelBytes = int64_t{4} << 20;  // split the batch above 4 MiB
 constexpr int64_t kBytesPerThread = int64_t{2} << 20; // at least 2 MiB per thread
 constexpr int64_t kMaxThreads = 8;
 
 void check_array(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(t.device().is_cpu(), "batch_copy: ", name, " must be a CPU tensor, got device ",
+  KVC_CHECK_VALUE(t.device().is_cpu(), "batch_copy: ", name, " must be a CPU tensor, got device ",
                     t.device());
-  TORCH_CHECK_VALUE(t.scalar_type() == torch::kInt64, "batch_copy: ", name,
+  KVC_CHECK_VALUE(t.scalar_type() == torch::kInt64, "batch_copy: ", name,
                     " must be int64, got ", t.scalar_type());
-  TORCH_CHECK_VALUE(t.dim() == 1, "batch_copy: ", name, " must be 1-D, got ", t.dim(),
+  KVC_CHECK_VALUE(t.dim() == 1, "batch_copy: ", name, " must be 1-D, got ", t.dim(),
                     " dimensions (shape ", t.sizes(), ")");
-  TORCH_CHECK_VALUE(t.is_contiguous(), "batch_copy: ", name, " must be contiguous");
+  KVC_CHECK_VALUE(t.is_contiguous(), "batch_copy: ", name, " must be contiguous");
 }
 
 // Validates the three descriptor arrays; returns the total number of bytes.
@@ -51,7 +67,7 @@ int64_t check_descriptors(const torch::Tensor& src, const torch::Tensor& dst,
   check_array(src, "src_ptrs");
   check_array(dst, "dst_ptrs");
   check_array(sizes, "sizes");
-  TORCH_CHECK_VALUE(src.numel() == dst.numel() && src.numel() == sizes.numel(),
+  KVC_CHECK_VALUE(src.numel() == dst.numel() && src.numel() == sizes.numel(),
                     "batch_copy: lengths differ: src_ptrs ", src.numel(), ", dst_ptrs ",
                     dst.numel(), ", sizes ", sizes.numel());
   const int64_t n = src.numel();
@@ -60,8 +76,8 @@ int64_t check_descriptors(const torch::Tensor& src, const torch::Tensor& dst,
   const int64_t* z = sizes.data_ptr<int64_t>();
   int64_t total = 0;
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK_VALUE(z[i] >= 0, "batch_copy: sizes[", i, "] = ", z[i], " is negative");
-    TORCH_CHECK_VALUE(z[i] == 0 || (s[i] != 0 && d[i] != 0), "batch_copy: descriptor ", i,
+    KVC_CHECK_VALUE(z[i] >= 0, "batch_copy: sizes[", i, "] = ", z[i], " is negative");
+    KVC_CHECK_VALUE(z[i] == 0 || (s[i] != 0 && d[i] != 0), "batch_copy: descriptor ", i,
                       " has a null address (src ", s[i], ", dst ", d[i], ")");
     total += z[i];
   }
@@ -146,7 +162,7 @@ int64_t batch_copy_cuda(const torch::Tensor& src_ptrs, const torch::Tensor& dst_
         reinterpret_cast<const uint64_t*>(sizes.data_ptr<int64_t>()), static_cast<size_t>(n),
         reinterpret_cast<cudaStream_t>(stream), src_access_any ? 1 : 0, &failed);
   }
-  TORCH_CHECK(rc == 0, "batch_copy_cuda: CUDA error ", rc, " (", kvcascade_cuda_error_string(rc),
+  KVC_CHECK(rc == 0, "batch_copy_cuda: CUDA error ", rc, " (", kvcascade_cuda_error_string(rc),
               ") at descriptor ", failed, " of ", n);
   return total;
 }

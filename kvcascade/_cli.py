@@ -284,9 +284,9 @@ def _calibrate(args: argparse.Namespace) -> int:
             "kvcascade: building the copy kernels on first use (about a minute)…", file=sys.stderr
         )
     results, written = calibrate(Path(args.output) if args.output else None, reps=args.reps)
-    print(f"{'kernel':<8}{'page B':>10}{'count':>7}{'GB/s':>9}")
+    print(f"{'dir':<6}{'kernel':<8}{'page B':>10}{'count':>7}{'GB/s':>9}")
     for m in results:
-        print(f"{m.kernel:<8}{m.page_bytes:>10}{m.count:>7}{m.gbps:>9.2f}")
+        print(f"{m.direction:<6}{m.kernel:<8}{m.page_bytes:>10}{m.count:>7}{m.gbps:>9.2f}")
     print(f"settings written to {written}" if written else "no CUDA device: nothing written")
     return 0
 

@@ -21,7 +21,25 @@ def test_crossover_picks_the_page_where_triton_stops_winning() -> None:
     settings = crossover(results, "test")
     assert settings.triton_max_page_bytes == 65536
     assert settings.triton_min_descriptors == 16
+    assert settings.triton_max_store_page_bytes == 0  # no store measurements: the default
     assert settings.provenance == "test"
+
+
+def test_crossover_per_direction() -> None:
+    """Stores get their own page threshold (H200 shape: Triton wins below 256 KiB both ways)."""
+    results = []
+    for direction, last_win in (("load", 65536), ("store", 262144)):
+        for page in (4096, 65536, 262144, 1048576):
+            for count in (16, 128):
+                triton = 0.5 if page <= last_win else 1.5
+                results += [
+                    Measurement("cpp", page, count, 1.0, direction),
+                    Measurement("triton", page, count, triton, direction),
+                ]
+    settings = crossover(results, "t")
+    assert settings.triton_max_page_bytes == 262144  # first page where Triton loses loads
+    assert settings.triton_max_store_page_bytes == 1048576
+    assert settings.triton_min_descriptors == 16
 
 
 def test_crossover_when_triton_never_wins() -> None:
@@ -42,4 +60,5 @@ def test_cpu_calibration_measures_and_writes_nothing(tmp_path) -> None:
     results, written = calibrate(tmp_path / "k.json", reps=2)
     assert written is None and not (tmp_path / "k.json").exists()
     assert {r.kernel for r in results} == {"cpp", "torch"}
+    assert {r.page_bytes for r in results} == {4096, 65536}
     assert all(r.gbps > 0 for r in results)

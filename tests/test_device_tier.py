@@ -1,5 +1,6 @@
 """The device tier: chunked GPU↔CPU transfers (spec §5.3) and the CUDA event bridge (issue #6),
-on CPU tensors standing in for device memory."""
+on CPU tensors standing in for device memory, and on a real CUDA device where one is present
+(``benchmarks/gpu_check.sh``)."""
 
 from __future__ import annotations
 
@@ -14,18 +15,26 @@ import kvcascade as kc
 from kvcascade.tiers.device import DeviceTier, EventBridge
 
 PAGE = 64
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+    ),
+]
 
 
 def fill(kv: torch.Tensor) -> None:
     """GPU block b holds byte b+1 everywhere."""
-    kv[:] = (torch.arange(kv.shape[0], dtype=torch.int8) + 1)[:, None]
+    kv[:] = (torch.arange(kv.shape[0], dtype=torch.int8, device=kv.device) + 1)[:, None]
 
 
-async def test_chunked_load_follows_the_spec_example() -> None:
+@pytest.mark.parametrize("dev", DEVICES)
+async def test_chunked_load_follows_the_spec_example(dev: str) -> None:
     """§5.3 worked example: k=3, load, group block index 4, n=4, CPU chunks [7, 2] → GPU blocks
     0..3 receive (chunk 7, pos 1), (7, 2), (2, 0), (2, 1)."""
     host = kc.HostBuffer(8, 3 * PAGE)
-    device = DeviceTier(8, host, blocks_per_chunk=3, device="cpu")
+    device = DeviceTier(8, host, blocks_per_chunk=3, device=dev)
     rows = host.tensor()
     for chunk in range(8):
         for pos in range(3):
@@ -38,10 +47,11 @@ async def test_chunked_load_follows_the_spec_example() -> None:
     host.close()
 
 
-async def test_chunked_store_round_trip_multi_group() -> None:
+@pytest.mark.parametrize("dev", DEVICES)
+async def test_chunked_store_round_trip_multi_group(dev: str) -> None:
     """Two groups (one empty), k=2, first block mid-chunk: store then load back byte-exact."""
     host = kc.HostBuffer(6, 2 * PAGE)
-    device = DeviceTier(10, host, blocks_per_chunk=2, device="cpu")
+    device = DeviceTier(10, host, blocks_per_chunk=2, device=dev)
     fill(device.kv)
     stored = await device.transfer("store", [3, 0, 2], [1, 0, 0], [4, 5, 6, 8, 9], [3, 0, 5])
     assert stored.success and stored.bytes == 5 * PAGE
@@ -112,14 +122,15 @@ async def test_event_bridge_resolves_in_order_without_blocking_the_loop() -> Non
     bridge.close()
 
 
-def test_device_store_matches_index_copy() -> None:
+@pytest.mark.parametrize("dev", DEVICES)
+def test_device_store_matches_index_copy(dev: str) -> None:
     """The device path moves exactly what a plain indexed copy moves."""
     host = kc.HostBuffer(16, PAGE)
-    device = DeviceTier(16, host, device="cpu")
-    device.kv[:] = torch.randint(-128, 127, device.kv.shape, dtype=torch.int8)
+    device = DeviceTier(16, host, device=dev)
+    device.kv[:] = torch.randint(-128, 127, device.kv.shape, dtype=torch.int8, device=dev)
     gpu, cpu = np.array([3, 9, 0, 15]), np.array([7, 1, 12, 4])
     result = asyncio.run(device.store(gpu, cpu))
     assert result.success
-    assert torch.equal(host.tensor()[cpu], device.kv[gpu])
+    assert torch.equal(host.tensor()[cpu], device.kv[gpu].cpu())
     device.close()
     host.close()

@@ -259,6 +259,15 @@ TRITON_SCRIPT = textwrap.dedent(
 )
 
 
+_INTERPRETER_NUMPY_BUG = "only 0-dimensional arrays can be converted to Python scalars"
+
+
+def triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
 def test_triton_kernel_interpreted_on_cpu() -> None:
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -271,6 +280,11 @@ def test_triton_kernel_interpreted_on_cpu() -> None:
         cwd=REPO,
         timeout=300,
     )
+    if proc.returncode and _INTERPRETER_NUMPY_BUG in proc.stderr:
+        pytest.skip(
+            f"Triton {triton_version()}'s interpreter calls int() on 1-element arrays, which "
+            f"NumPy {np.__version__} refuses (seen with Triton 3.6 + NumPy 2.5; Triton 3.9 works)"
+        )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "TRITON-OK" in proc.stdout
 
@@ -314,11 +328,16 @@ def test_auto_dispatch_cuda_follows_spec() -> None:
         want_triton = "triton" if swap_mod.triton_available() else "cpp"
         assert select_kernel(host, gpu, 16) == want_triton
         assert select_kernel(host, gpu, 15) == "cpp"  # fewer than 16 descriptors
-        assert select_kernel(gpu, host, 64) == "cpp"  # stores always the batch op
+        assert select_kernel(gpu, host, 64) == "cpp"  # stores: the batch op by default
         big_h = torch.zeros(4, 28 * 1024, dtype=torch.int8).pin_memory()
         big_g = torch.zeros(4, 28 * 1024, dtype=torch.int8, device="cuda")
         assert select_kernel(big_h, big_g, 64) == "cpp"  # page not < 28 KiB
         assert select_kernel(host.clone(), gpu, 64) == "cpp"  # pageable host memory
+        set_kernel_settings(KernelSettings(triton_max_store_page_bytes=32 * 1024))
+        assert select_kernel(gpu, host, 64) == want_triton  # stores below the store threshold
+        assert select_kernel(big_g, big_h, 64) == "cpp"
+        assert select_kernel(gpu, host.clone(), 64) == "cpp"  # pageable host memory
+        assert select_kernel(gpu, gpu.clone(), 64) == "cpp"  # GPU→GPU never
     finally:
         set_kernel_settings(None)
 
@@ -464,6 +483,7 @@ def test_settings_defaults_and_override(tmp_path: Path, monkeypatch) -> None:
         16,
         12,
     )
+    assert d.triton_max_store_page_bytes == 0  # vLLM: stores always the batch op
     assert "H100" in d.provenance
     p = tmp_path / "kernel_settings.json"
     assert load_settings(p) == d  # missing file → defaults
@@ -475,6 +495,11 @@ def test_settings_defaults_and_override(tmp_path: Path, monkeypatch) -> None:
     assert load_settings() == s
     p.write_text(json.dumps({"triton_num_programs": 0}))
     with pytest.raises(ValueError, match=r"triton_num_programs .* positive int: 0"):
+        load_settings(p)
+    p.write_text(json.dumps({"triton_max_store_page_bytes": 0}))
+    assert load_settings(p).triton_max_store_page_bytes == 0  # 0 = stores never use Triton
+    p.write_text(json.dumps({"triton_max_store_page_bytes": -1}))
+    with pytest.raises(ValueError, match=r"triton_max_store_page_bytes .* non-negative int: -1"):
         load_settings(p)
     p.write_text("[1]")
     with pytest.raises(ValueError, match="JSON object, got list"):

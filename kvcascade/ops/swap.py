@@ -11,11 +11,13 @@
               memory into the GPU (also GPU→pinned host when forced; under
               ``TRITON_INTERPRET=1`` CPU↔CPU only).
 ``"torch"``   ``index_select`` + ``index_copy_`` (always available; the reference).
-``"auto"``    spec §5.4: GPU→CPU and GPU→GPU use ``"cpp"``; CPU→GPU uses ``"triton"`` when Triton
-              is usable, the host rows are pinned, page and addresses are multiples of 8, the page
-              is below ``triton_max_page_bytes`` (28 KiB) and there are at least
-              ``triton_min_descriptors`` (16) copies, else ``"cpp"``; CPU→CPU uses ``"cpp"``.
-              Without a built extension ``"cpp"`` becomes ``"torch"``.
+``"auto"``    spec §5.4: CPU→GPU uses ``"triton"`` when Triton is usable, the host rows are
+              pinned, page and addresses are multiples of 8, the page is below
+              ``triton_max_page_bytes`` (28 KiB) and there are at least
+              ``triton_min_descriptors`` (16) copies, else ``"cpp"``; GPU→CPU likewise with
+              ``triton_max_store_page_bytes`` (default 0: always ``"cpp"``, vLLM's rule);
+              GPU→GPU and CPU→CPU use ``"cpp"``. Without a built extension ``"cpp"`` becomes
+              ``"torch"``.
 ============  ==================================================================================
 
 Thresholds are :class:`~kvcascade.ops._settings.KernelSettings` (vLLM's values, tuned on H100
@@ -213,13 +215,10 @@ def select_kernel(src: torch.Tensor, dst: torch.Tensor, n: int) -> str:
     ext = _build.load_extension()
     cuda = src.is_cuda or dst.is_cuda
     native = "cpp" if rows_ok and ext is not None and (not cuda or ext.has_cuda()) else "torch"
-    if src.device.type == "cpu" and dst.is_cuda and rows_ok:
+    if rows_ok and src.is_cuda != dst.is_cuda and "cpu" in (src.device.type, dst.device.type):
         cfg = kernel_settings()
-        if (
-            page < cfg.triton_max_page_bytes
-            and n >= cfg.triton_min_descriptors
-            and _triton_ok(src, dst, page) is None
-        ):
+        limit = cfg.triton_max_page_bytes if dst.is_cuda else cfg.triton_max_store_page_bytes
+        if page < limit and n >= cfg.triton_min_descriptors and _triton_ok(src, dst, page) is None:
             return "triton"
     return native
 
