@@ -11,7 +11,9 @@
 #    and with the Triton kernel, on a side stream, against one contiguous torch copy_ from/to
 #    pinned memory of the same bytes (plain cudaMemcpyAsync);
 # 5. times the CUDA event → asyncio future bridge;
-# 6. replays the first 2,000 requests of the bundled trace with the KV cache on the GPU, every
+# 6. runs `kvcascade calibrate` (both directions) into $KVCASCADE_BUILD_DIR/kernel_settings.json
+#    (not the user's settings file) and prints the crossover it found;
+# 7. replays the first 2,000 requests of the bundled trace with the KV cache on the GPU, every
 #    loaded block compared byte for byte (corrupt blocks must read 0).
 # Environment: KVCASCADE_BUILD_DIR (default build/kvcascade_ext), GPU_CHECK_TOTAL_MIB (256).
 # Exit status: non-zero if the build, nvcc or the tests failed (the benchmark still runs).
@@ -156,6 +158,11 @@ async def main():
 
 asyncio.run(main())
 EOF
+
+echo "== kvcascade calibrate (written to $KVCASCADE_BUILD_DIR/kernel_settings.json)"
+timeout 120 "$PY" -c 'import sys; from kvcascade._cli import main; sys.exit(main(sys.argv[1:]))' \
+    calibrate --output "$KVCASCADE_BUILD_DIR/kernel_settings.json" --reps 10 \
+    && cat "$KVCASCADE_BUILD_DIR/kernel_settings.json" || status=1
 
 echo "== replay on the GPU: 2,000 requests, byte-exact check of every loaded block"
 timeout 120 "$PY" - <<'EOF' || status=1
