@@ -12,76 +12,84 @@
 // Descriptors must not overlap (memcpy semantics). Addresses are trusted: the Python wrapper
 // kvcascade.ops.swap computes them from validated tensors.
 //
-// Errors are thrown as plain std::invalid_argument / std::runtime_error (pybind11 turns them into
-// ValueError / RuntimeError), never as c10::Error (TORCH_CHECK): on the H200 image's torch 2.11.0
-// +cu130 (GCC 13.3) any c10::Error thrown from an extension - even a one-line load_inline one -
-// crashed the interpreter with SIGSEGV, while std exceptions were caught normally.
+// No C++ exception ever crosses into Python: each op returns (bytes, error kind, message) and the
+// Python wrapper (kvcascade.ops.swap) raises. On the H200 image's torch 2.11.0+cu130 (GCC 13.3)
+// an exception thrown out of an extension function - c10::Error from TORCH_CHECK even in a
+// one-line load_inline module, and std::invalid_argument from this op - killed the interpreter
+// with SIGSEGV in pybind11's translation.
 
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <stdexcept>
 #include <thread>
+#include <utility>
+#include <tuple>
+#include <string>
 #include <vector>
 
 #ifdef KVCASCADE_WITH_CUDA
 // Same definition as in the CUDA runtime headers; declared here to keep this file free of them.
 typedef struct CUstream_st* cudaStream_t;
 extern "C" int kvcascade_cuda_batch_copy_ex(const uint64_t* src, const uint64_t* dst,
-                                            const uint64_t* sizes, size_t n, cudaStream_t stream,
-                                            int src_access_any, size_t* failed_index);
+                                      const uint64_t* sizes, size_t n, cudaStream_t stream,
+                                      int src_access_any, size_t* failed_index);
 extern "C" const char* kvcascade_cuda_error_string(int code);
 #endif
 
 namespace {
 
-// TORCH_CHECK_VALUE / TORCH_CHECK without c10::Error (see the note at the top of this file).
-#define KVC_CHECK_VALUE(cond, ...)                                     \
-  do {                                                                 \
-    if (!(cond)) throw std::invalid_argument(c10::str(__VA_ARGS__));   \
-  } while (0)
-#define KVC_CHECK(cond, ...)                                           \
-  do {                                                                 \
-    if (!(cond)) throw std::runtime_error(c10::str(__VA_ARGS__));      \
+// What every op returns: bytes copied (or enqueued), error kind, message ("" when kOk).
+using OpResult = std::tuple<int64_t, int64_t, std::string>;
+constexpr int64_t kOk = 0;
+constexpr int64_t kBadValue = 1;  // raised as ValueError
+constexpr int64_t kCudaError = 2;  // raised as RuntimeError
+
+// Returns "" when the first condition holds, else the message made of the rest.
+#define KVC_REQUIRE(cond, ...)                 \
+  do {                                         \
+    if (!(cond)) return c10::str(__VA_ARGS__); \
   } while (0)
 
 constexpr int64_t kParallelBytes = int64_t{4} << 20;  // split the batch above 4 MiB
 constexpr int64_t kBytesPerThread = int64_t{2} << 20; // at least 2 MiB per thread
 constexpr int64_t kMaxThreads = 8;
 
-void check_array(const torch::Tensor& t, const char* name) {
-  KVC_CHECK_VALUE(t.device().is_cpu(), "batch_copy: ", name, " must be a CPU tensor, got device ",
+std::string check_array(const torch::Tensor& t, const char* name) {
+  KVC_REQUIRE(t.device().is_cpu(), "batch_copy: ", name, " must be a CPU tensor, got device ",
                     t.device());
-  KVC_CHECK_VALUE(t.scalar_type() == torch::kInt64, "batch_copy: ", name,
-                    " must be int64, got ", t.scalar_type());
-  KVC_CHECK_VALUE(t.dim() == 1, "batch_copy: ", name, " must be 1-D, got ", t.dim(),
-                    " dimensions (shape ", t.sizes(), ")");
-  KVC_CHECK_VALUE(t.is_contiguous(), "batch_copy: ", name, " must be contiguous");
+  KVC_REQUIRE(t.scalar_type() == torch::kInt64, "batch_copy: ", name,
+              " must be int64, got ", t.scalar_type());
+  KVC_REQUIRE(t.dim() == 1, "batch_copy: ", name, " must be 1-D, got ", t.dim(),
+              " dimensions (shape ", t.sizes(), ")");
+  KVC_REQUIRE(t.is_contiguous(), "batch_copy: ", name, " must be contiguous");
+  return "";
 }
 
-// Validates the three descriptor arrays; returns the total number of bytes.
-int64_t check_descriptors(const torch::Tensor& src, const torch::Tensor& dst,
-                          const torch::Tensor& sizes) {
-  check_array(src, "src_ptrs");
-  check_array(dst, "dst_ptrs");
-  check_array(sizes, "sizes");
-  KVC_CHECK_VALUE(src.numel() == dst.numel() && src.numel() == sizes.numel(),
-                    "batch_copy: lengths differ: src_ptrs ", src.numel(), ", dst_ptrs ",
+// Validates the three descriptor arrays; returns "" and sets `total` (bytes), or the error.
+std::string check_descriptors(const torch::Tensor& src, const torch::Tensor& dst,
+                        const torch::Tensor& sizes, int64_t& total) {
+  for (const auto& [t, name] : {std::pair{&src, "src_ptrs"}, std::pair{&dst, "dst_ptrs"},
+                          std::pair{&sizes, "sizes"}}) {
+    std::string error = check_array(*t, name);
+    if (!error.empty()) return error;
+  }
+  KVC_REQUIRE(src.numel() == dst.numel() && src.numel() == sizes.numel(),
+              "batch_copy: lengths differ: src_ptrs ", src.numel(), ", dst_ptrs ",
                     dst.numel(), ", sizes ", sizes.numel());
   const int64_t n = src.numel();
   const int64_t* s = src.data_ptr<int64_t>();
   const int64_t* d = dst.data_ptr<int64_t>();
   const int64_t* z = sizes.data_ptr<int64_t>();
-  int64_t total = 0;
+  total = 0;
   for (int64_t i = 0; i < n; ++i) {
-    KVC_CHECK_VALUE(z[i] >= 0, "batch_copy: sizes[", i, "] = ", z[i], " is negative");
-    KVC_CHECK_VALUE(z[i] == 0 || (s[i] != 0 && d[i] != 0), "batch_copy: descriptor ", i,
-                      " has a null address (src ", s[i], ", dst ", d[i], ")");
+    KVC_REQUIRE(z[i] >= 0, "batch_copy: sizes[", i, "] = ", z[i], " is negative");
+    KVC_REQUIRE(z[i] == 0 || (s[i] != 0 && d[i] != 0), "batch_copy: descriptor ", i,
+                " has a null address (src ", s[i], ", dst ", d[i], ")");
     total += z[i];
   }
-  return total;
+  return "";
 }
 
 // Copies bytes [lo, hi) of the concatenation of all descriptors; offs[i] is where descriptor i
@@ -128,12 +136,14 @@ void copy_host(const int64_t* s, const int64_t* d, const int64_t* z, int64_t n, 
   for (auto& th : pool) th.join();
 }
 
-// CPU op: host memcpy per descriptor. Returns the number of bytes copied.
-int64_t batch_copy(const torch::Tensor& src_ptrs, const torch::Tensor& dst_ptrs,
-                   const torch::Tensor& sizes) {
-  const int64_t total = check_descriptors(src_ptrs, dst_ptrs, sizes);
+// CPU op: host memcpy per descriptor. Returns (bytes copied, kOk, "") or a kBadValue error.
+OpResult batch_copy(const torch::Tensor& src_ptrs, const torch::Tensor& dst_ptrs,
+                    const torch::Tensor& sizes) {
+  int64_t total = 0;
+  std::string error = check_descriptors(src_ptrs, dst_ptrs, sizes, total);
+  if (!error.empty()) return {0, kBadValue, std::move(error)};
   const int64_t n = src_ptrs.numel();
-  if (total == 0) return 0;
+  if (total == 0) return {0, kOk, ""};
   const int64_t* s = src_ptrs.data_ptr<int64_t>();
   const int64_t* d = dst_ptrs.data_ptr<int64_t>();
   const int64_t* z = sizes.data_ptr<int64_t>();
@@ -141,17 +151,19 @@ int64_t batch_copy(const torch::Tensor& src_ptrs, const torch::Tensor& dst_ptrs,
     pybind11::gil_scoped_release no_gil;
     copy_host(s, d, z, n, total);
   }
-  return total;
+  return {total, kOk, ""};
 }
 
 #ifdef KVCASCADE_WITH_CUDA
 // CUDA op: enqueue the batch on `stream` (a cudaStream_t as an integer; 0 = legacy default stream).
-// Returns the number of bytes enqueued; the copy completes in stream order.
-int64_t batch_copy_cuda(const torch::Tensor& src_ptrs, const torch::Tensor& dst_ptrs,
-                        const torch::Tensor& sizes, int64_t stream, bool src_access_any) {
-  const int64_t total = check_descriptors(src_ptrs, dst_ptrs, sizes);
+// Returns (bytes enqueued, kOk, "") - the copy completes in stream order - or an error.
+OpResult batch_copy_cuda(const torch::Tensor& src_ptrs, const torch::Tensor& dst_ptrs,
+                   const torch::Tensor& sizes, int64_t stream, bool src_access_any) {
+  int64_t total = 0;
+  std::string error = check_descriptors(src_ptrs, dst_ptrs, sizes, total);
+  if (!error.empty()) return {0, kBadValue, std::move(error)};
   const int64_t n = src_ptrs.numel();
-  if (total == 0) return 0;
+  if (total == 0) return {0, kOk, ""};
   int rc = 0;
   size_t failed = 0;
   {
@@ -162,9 +174,12 @@ int64_t batch_copy_cuda(const torch::Tensor& src_ptrs, const torch::Tensor& dst_
         reinterpret_cast<const uint64_t*>(sizes.data_ptr<int64_t>()), static_cast<size_t>(n),
         reinterpret_cast<cudaStream_t>(stream), src_access_any ? 1 : 0, &failed);
   }
-  KVC_CHECK(rc == 0, "batch_copy_cuda: CUDA error ", rc, " (", kvcascade_cuda_error_string(rc),
-              ") at descriptor ", failed, " of ", n);
-  return total;
+  if (rc != 0) {
+    return {0, kCudaError,
+            c10::str("batch_copy_cuda: CUDA error ", rc, " (", kvcascade_cuda_error_string(rc),
+               ") at descriptor ", failed, " of ", n)};
+  }
+  return {total, kOk, ""};
 }
 #endif
 
@@ -180,11 +195,11 @@ bool has_cuda() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvcascade batch copy kernels";
-  m.def("batch_copy", &batch_copy, "Host memcpy per (src, dst, size) descriptor; returns bytes",
+  m.def("batch_copy", &batch_copy, "Host memcpy per (src, dst, size) descriptor; returns (bytes, error kind, message)",
         pybind11::arg("src_ptrs"), pybind11::arg("dst_ptrs"), pybind11::arg("sizes"));
 #ifdef KVCASCADE_WITH_CUDA
   m.def("batch_copy_cuda", &batch_copy_cuda,
-        "Enqueue a batch of copies on a CUDA stream; returns bytes", pybind11::arg("src_ptrs"),
+        "Enqueue a batch of copies on a CUDA stream; returns (bytes, error kind, message)", pybind11::arg("src_ptrs"),
         pybind11::arg("dst_ptrs"), pybind11::arg("sizes"), pybind11::arg("stream"),
         pybind11::arg("src_access_any") = false);
 #endif

@@ -128,9 +128,10 @@ def _build() -> ModuleType:
 def load_extension() -> ModuleType | None:
     """The compiled extension module (built on first call), or ``None`` if it cannot be built.
 
-    The module has ``batch_copy(src_ptrs, dst_ptrs, sizes) -> int``, ``has_cuda() -> bool`` and,
-    when CUDA was compiled in,
-    ``batch_copy_cuda(src_ptrs, dst_ptrs, sizes, stream, src_access_any) -> int``.
+    The module has ``batch_copy(src_ptrs, dst_ptrs, sizes)``, ``has_cuda() -> bool`` and, when
+    CUDA was compiled in, ``batch_copy_cuda(src_ptrs, dst_ptrs, sizes, stream, src_access_any)``;
+    both return ``(bytes, error kind, message)`` instead of raising (kind 0: ok, 1: bad value,
+    2: CUDA error) — use :func:`kvcascade.ops.batch_copy`, which raises.
     Set ``KVCASCADE_DISABLE_EXTENSION=1`` to skip the build.
     """
     global _extension, _attempted, _error

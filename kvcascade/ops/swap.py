@@ -126,7 +126,7 @@ def batch_copy(
         ext = _build.load_extension()
     if stream is None:
         if ext is not None:
-            return int(ext.batch_copy(src_ptrs, dst_ptrs, sizes))
+            return _checked(ext.batch_copy(src_ptrs, dst_ptrs, sizes))
         return _host_copy_fallback(src_ptrs, dst_ptrs, sizes)
     handle = stream.cuda_stream if isinstance(stream, torch.cuda.Stream) else int(stream)
     if ext is None or not ext.has_cuda():
@@ -134,7 +134,18 @@ def batch_copy(
             "batch_copy on a CUDA stream needs the extension built with CUDA "
             f"(build error: {_build.extension_error()})"
         )
-    return int(ext.batch_copy_cuda(src_ptrs, dst_ptrs, sizes, handle, src_access_any))
+    return _checked(ext.batch_copy_cuda(src_ptrs, dst_ptrs, sizes, handle, src_access_any))
+
+
+def _checked(result: tuple[int, int, str]) -> int:
+    """Bytes from an extension op's ``(bytes, error kind, message)``; raises its error.
+
+    The ops return errors instead of throwing (see ``kernels/swap_blocks.cpp``): kind 1 →
+    ``ValueError``, kind 2 (a CUDA error) → ``RuntimeError``."""
+    nbytes, kind, message = result
+    if kind == 0:
+        return nbytes
+    raise (ValueError if kind == 1 else RuntimeError)(message)
 
 
 def _host_copy_fallback(src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor) -> int:
@@ -285,13 +296,13 @@ def swap_blocks(
     s, d, z = block_descriptors(src, dst, src_ids, dst_ids)
     cuda = dst if dst.is_cuda else src
     if not cuda.is_cuda:
-        return int(ext.batch_copy(s, d, z))
+        return _checked(ext.batch_copy(s, d, z))
     if not ext.has_cuda():
         raise RuntimeError("kernel 'cpp' was built without CUDA; use kernel='torch'")
     with torch.cuda.device(cuda.device):
         stream = torch.cuda.current_stream(cuda.device).cuda_stream
         load = src.device.type == "cpu"
-        return int(ext.batch_copy_cuda(s, d, z, stream, load))
+        return _checked(ext.batch_copy_cuda(s, d, z, stream, load))
 
 
 def _swap_torch(
