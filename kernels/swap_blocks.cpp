@@ -1,9 +1,9 @@
 // kvcascade batch copy: the torch binding of the "batch_copy" op.
 //
 // One descriptor is (source address, destination address, byte count), held in three 1-D int64 CPU
-// tensors of equal length. The CPU implementation copies with std::memcpy; when the batch moves more
-// than kParallelBytes it splits the concatenated byte stream evenly over a few std::threads (so one
-// huge descriptor is split too). The GIL is released while copying.
+// tensors of equal length. The CPU implementation copies with std::memcpy; when the batch moves
+// more than kParallelBytes it splits the concatenated byte stream evenly over a few std::threads
+// (so one huge descriptor is split too). The GIL is released while copying.
 //
 // When built with -DKVCASCADE_WITH_CUDA, batch_copy_cuda enqueues the same batch on a caller-given
 // CUDA stream through the plain C ABI in swap_blocks_cuda.cu (kept free of torch headers so that it
@@ -12,29 +12,30 @@
 // Descriptors must not overlap (memcpy semantics). Addresses are trusted: the Python wrapper
 // kvcascade.ops.swap computes them from validated tensors.
 //
-// No C++ exception ever crosses into Python: each op returns (bytes, error kind, message) and the
-// Python wrapper (kvcascade.ops.swap) raises. On the H200 image's torch 2.11.0+cu130 (GCC 13.3)
-// an exception thrown out of an extension function - c10::Error from TORCH_CHECK even in a
-// one-line load_inline module, and std::invalid_argument from this op - killed the interpreter
-// with SIGSEGV in pybind11's translation.
+// No C++ exception ever crosses into Python and no message is built with iostreams: each op
+// returns (bytes, error kind, message) and the Python wrapper (kvcascade.ops.swap) raises; messages
+// are plain std::string concatenation (cat below). On the H200 image's torch 2.11.0+cu130 (GCC
+// 13.3) formatting a message with c10::str (an std::ostringstream) inside an extension killed the
+// interpreter with SIGSEGV - TORCH_CHECK in a one-line load_inline module did too, while throwing
+// std::runtime_error("literal") was caught normally.
 
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <thread>
-#include <utility>
-#include <tuple>
 #include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #ifdef KVCASCADE_WITH_CUDA
 // Same definition as in the CUDA runtime headers; declared here to keep this file free of them.
 typedef struct CUstream_st* cudaStream_t;
 extern "C" int kvcascade_cuda_batch_copy_ex(const uint64_t* src, const uint64_t* dst,
-                                      const uint64_t* sizes, size_t n, cudaStream_t stream,
-                                      int src_access_any, size_t* failed_index);
+                                            const uint64_t* sizes, size_t n, cudaStream_t stream,
+                                            int src_access_any, size_t* failed_index);
 extern "C" const char* kvcascade_cuda_error_string(int code);
 #endif
 
@@ -43,24 +44,45 @@ namespace {
 // What every op returns: bytes copied (or enqueued), error kind, message ("" when kOk).
 using OpResult = std::tuple<int64_t, int64_t, std::string>;
 constexpr int64_t kOk = 0;
-constexpr int64_t kBadValue = 1;  // raised as ValueError
+constexpr int64_t kBadValue = 1;   // raised as ValueError
 constexpr int64_t kCudaError = 2;  // raised as RuntimeError
 
+std::string piece(const char* v) { return v; }
+std::string piece(const std::string& v) { return v; }
+std::string piece(int64_t v) { return std::to_string(v); }
+std::string piece(uint64_t v) { return std::to_string(v); }
+std::string piece(int v) { return std::to_string(v); }
+std::string piece(const c10::Device& v) { return v.str(); }
+std::string piece(c10::ScalarType v) { return c10::toString(v); }
+std::string piece(c10::IntArrayRef v) {
+  std::string out = "[";
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+  return out + "]";
+}
+
+// The message made of all arguments, without iostreams (see the note at the top of this file).
+template <typename... Args>
+std::string cat(const Args&... args) {
+  std::string out;
+  ((out += piece(args)), ...);
+  return out;
+}
+
 // Returns "" when the first condition holds, else the message made of the rest.
-#define KVC_REQUIRE(cond, ...)                 \
-  do {                                         \
-    if (!(cond)) return c10::str(__VA_ARGS__); \
+#define KVC_REQUIRE(cond, ...)            \
+  do {                                    \
+    if (!(cond)) return cat(__VA_ARGS__); \
   } while (0)
 
-constexpr int64_t kParallelBytes = int64_t{4} << 20;  // split the batch above 4 MiB
-constexpr int64_t kBytesPerThread = int64_t{2} << 20; // at least 2 MiB per thread
+constexpr int64_t kParallelBytes = int64_t{4} << 20;   // split the batch above 4 MiB
+constexpr int64_t kBytesPerThread = int64_t{2} << 20;  // at least 2 MiB per thread
 constexpr int64_t kMaxThreads = 8;
 
 std::string check_array(const torch::Tensor& t, const char* name) {
   KVC_REQUIRE(t.device().is_cpu(), "batch_copy: ", name, " must be a CPU tensor, got device ",
-                    t.device());
-  KVC_REQUIRE(t.scalar_type() == torch::kInt64, "batch_copy: ", name,
-              " must be int64, got ", t.scalar_type());
+              t.device());
+  KVC_REQUIRE(t.scalar_type() == torch::kInt64, "batch_copy: ", name, " must be int64, got ",
+              t.scalar_type());
   KVC_REQUIRE(t.dim() == 1, "batch_copy: ", name, " must be 1-D, got ", t.dim(),
               " dimensions (shape ", t.sizes(), ")");
   KVC_REQUIRE(t.is_contiguous(), "batch_copy: ", name, " must be contiguous");
@@ -69,15 +91,15 @@ std::string check_array(const torch::Tensor& t, const char* name) {
 
 // Validates the three descriptor arrays; returns "" and sets `total` (bytes), or the error.
 std::string check_descriptors(const torch::Tensor& src, const torch::Tensor& dst,
-                        const torch::Tensor& sizes, int64_t& total) {
-  for (const auto& [t, name] : {std::pair{&src, "src_ptrs"}, std::pair{&dst, "dst_ptrs"},
-                          std::pair{&sizes, "sizes"}}) {
+                              const torch::Tensor& sizes, int64_t& total) {
+  for (const auto& [t, name] :
+       {std::pair{&src, "src_ptrs"}, std::pair{&dst, "dst_ptrs"}, std::pair{&sizes, "sizes"}}) {
     std::string error = check_array(*t, name);
     if (!error.empty()) return error;
   }
   KVC_REQUIRE(src.numel() == dst.numel() && src.numel() == sizes.numel(),
-              "batch_copy: lengths differ: src_ptrs ", src.numel(), ", dst_ptrs ",
-                    dst.numel(), ", sizes ", sizes.numel());
+              "batch_copy: lengths differ: src_ptrs ", src.numel(), ", dst_ptrs ", dst.numel(),
+              ", sizes ", sizes.numel());
   const int64_t n = src.numel();
   const int64_t* s = src.data_ptr<int64_t>();
   const int64_t* d = dst.data_ptr<int64_t>();
@@ -158,7 +180,7 @@ OpResult batch_copy(const torch::Tensor& src_ptrs, const torch::Tensor& dst_ptrs
 // CUDA op: enqueue the batch on `stream` (a cudaStream_t as an integer; 0 = legacy default stream).
 // Returns (bytes enqueued, kOk, "") - the copy completes in stream order - or an error.
 OpResult batch_copy_cuda(const torch::Tensor& src_ptrs, const torch::Tensor& dst_ptrs,
-                   const torch::Tensor& sizes, int64_t stream, bool src_access_any) {
+                         const torch::Tensor& sizes, int64_t stream, bool src_access_any) {
   int64_t total = 0;
   std::string error = check_descriptors(src_ptrs, dst_ptrs, sizes, total);
   if (!error.empty()) return {0, kBadValue, std::move(error)};
@@ -176,8 +198,8 @@ OpResult batch_copy_cuda(const torch::Tensor& src_ptrs, const torch::Tensor& dst
   }
   if (rc != 0) {
     return {0, kCudaError,
-            c10::str("batch_copy_cuda: CUDA error ", rc, " (", kvcascade_cuda_error_string(rc),
-               ") at descriptor ", failed, " of ", n)};
+            cat("batch_copy_cuda: CUDA error ", rc, " (", kvcascade_cuda_error_string(rc),
+                ") at descriptor ", failed, " of ", n)};
   }
   return {total, kOk, ""};
 }
@@ -195,13 +217,14 @@ bool has_cuda() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvcascade batch copy kernels";
-  m.def("batch_copy", &batch_copy, "Host memcpy per (src, dst, size) descriptor; returns (bytes, error kind, message)",
+  m.def("batch_copy", &batch_copy,
+        "Host memcpy per (src, dst, size) descriptor; returns (bytes, error kind, message)",
         pybind11::arg("src_ptrs"), pybind11::arg("dst_ptrs"), pybind11::arg("sizes"));
 #ifdef KVCASCADE_WITH_CUDA
   m.def("batch_copy_cuda", &batch_copy_cuda,
-        "Enqueue a batch of copies on a CUDA stream; returns (bytes, error kind, message)", pybind11::arg("src_ptrs"),
-        pybind11::arg("dst_ptrs"), pybind11::arg("sizes"), pybind11::arg("stream"),
-        pybind11::arg("src_access_any") = false);
+        "Enqueue a batch of copies on a CUDA stream; returns (bytes, error kind, message)",
+        pybind11::arg("src_ptrs"), pybind11::arg("dst_ptrs"), pybind11::arg("sizes"),
+        pybind11::arg("stream"), pybind11::arg("src_access_any") = false);
 #endif
   m.def("has_cuda", &has_cuda, "Whether the CUDA implementation was compiled in");
 }
