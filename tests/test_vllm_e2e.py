@@ -162,10 +162,10 @@ def test_failed_load_is_recomputed(offload_llm: LLM, baseline: dict[str, list[in
     worker = worker_connector()._worker
     original = worker._copy
 
-    def broken(spec: Any, store: bool) -> Any:
+    def broken(spec: Any, store: bool, ready: Any) -> Any:
         if not store:
             raise RuntimeError("injected load failure")
-        return original(spec, store)
+        return original(spec, store, ready)
 
     worker._copy = broken  # type: ignore[method-assign]
     try:

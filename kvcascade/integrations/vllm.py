@@ -419,7 +419,8 @@ class _Running:
 
 
 class _WorkerSide:
-    """Registered views, the region, two copy threads and the completion bookkeeping."""
+    """Registered views, the region, two copy threads (one per direction; on CUDA each with its
+    own side stream) and the completion bookkeeping."""
 
     def __init__(self, setup: _Setup, kv_cache_config: KVCacheConfig) -> None:
         self.setup = setup
@@ -434,6 +435,7 @@ class _WorkerSide:
         self._running: list[_Running] = []
         self._meta = KVCascadeWorkerMetadata()
         self.load_failed_blocks: set[int] = set()
+        self._streams: dict[bool, torch.cuda.Stream] = {}
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         setup = self.setup
@@ -462,16 +464,27 @@ class _WorkerSide:
                 seen[ident] = gpu
                 views.append(_LayerViews(gpu, self.region.create_next_worker_view(page * k), page))
             self.groups.append(views)
+        if self.device.type == "cuda":  # one side stream per direction (one copy thread each)
+            self._streams = {store: torch.cuda.Stream(self.device) for store in (True, False)}
 
     # copies (run on the copy threads) ------------------------------------------------------------
-    def _copy(self, spec: TransferSpec, store: bool) -> tuple[int, float]:
+    def _copy(
+        self, spec: TransferSpec, store: bool, ready: torch.cuda.Event | None
+    ) -> tuple[int, float]:
+        """Copy one job's blocks of every layer (spec §5.3 plan) as one batch of descriptors.
+
+        On CUDA the batch is enqueued on this direction's side stream after ``ready`` (recorded
+        on the compute stream when the job was submitted: a store must not read KV still being
+        written, a load must not race pending writes into its blocks), and this copy thread —
+        never the forward pass — waits for it. Loads let the driver read the host rows out of
+        stream order (spec §5.4 "ANY"). Returns (bytes, seconds)."""
         if spec.cpu is None:
             raise RuntimeError("load job without a source (prepare_load failed)")
         start = time.perf_counter()
         k = self.setup.scheduler.blocks_per_chunk
         gpu_ids = spec.gpu.block_ids.tolist()
         cpu_ids = spec.cpu.block_ids.tolist()
-        total = 0
+        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         g_pos = c_pos = 0
         for views, n, bi in zip(self.groups, spec.gpu.group_sizes, spec.gpu.block_indices):
             if n == 0:
@@ -482,33 +495,29 @@ class _WorkerSide:
             )
             g_pos += n
             c_pos += chunks
-            for lv in views:
-                total += self._copy_layer(plan, lv, store)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return total, time.perf_counter() - start
-
-    def _copy_layer(self, plan: list[Any], lv: _LayerViews, store: bool) -> int:
-        if self.device.type == "cpu":
-            src, dst, sizes = plan_descriptors(plan, lv.gpu, lv.cpu, lv.page, store=store)
-            return batch_copy(src, dst, sizes)
-        k = self.setup.scheduler.blocks_per_chunk
-        sub = lv.cpu.as_strided((lv.cpu.shape[0], k, lv.page), (lv.cpu.stride(0), lv.page, 1))
-        gpu_ids = torch.tensor([p.gpu_block for p in plan], device=self.device)
-        chunks = torch.tensor([p.cpu_chunk for p in plan])
-        pos = torch.tensor([p.pos for p in plan])
-        if store:
-            sub[chunks, pos] = lv.gpu[gpu_ids, : lv.page].cpu()
+            parts += [plan_descriptors(plan, lv.gpu, lv.cpu, lv.page, store=store) for lv in views]
+        if not parts:
+            return 0, time.perf_counter() - start
+        src, dst, sizes = (torch.cat(column) for column in zip(*parts))
+        if ready is None:
+            total = batch_copy(src, dst, sizes)
         else:
-            lv.gpu[gpu_ids, : lv.page] = sub[chunks, pos].to(self.device)
-        return len(plan) * lv.page
+            stream = self._streams[store]
+            stream.wait_event(ready)
+            total = batch_copy(src, dst, sizes, stream=stream, src_access_any=not store)
+            done = torch.cuda.Event(blocking=True)  # the waiting thread sleeps in the driver
+            done.record(stream)
+            done.synchronize()
+        return total, time.perf_counter() - start
 
     # step hooks --------------------------------------------------------------------------------
     def _submit(self, job_id: int, spec: TransferSpec, store: bool) -> None:
-        if store and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # KV of the step is written
+        ready = None
+        if self.device.type == "cuda":  # a marker on the compute stream; nothing waits here
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
         pool = self._stores if store else self._loads
-        fut = pool.submit(self._copy, spec, store)
+        fut = pool.submit(self._copy, spec, store, ready)
         self._running.append(_Running(job_id, None if store else spec.req_id, fut))
 
     def _submit_queued(self) -> None:
