@@ -231,7 +231,8 @@ class DeviceTier:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         n = len(descriptors[0])
         host = self.host.tensor()
-        if direction == "load" and select_kernel(host, self.kv, n) == "triton":
+        src, dst = (host, self.kv) if direction == "load" else (self.kv, host)
+        if select_kernel(src, dst, n) == "triton":
             with torch.cuda.stream(stream):  # many small pages: spec §5.4's Triton kernel
                 nbytes = triton_batch_copy(*descriptors, self.page_bytes)
         else:
