@@ -154,7 +154,9 @@ def simulate(
         if run:
             manager.prepare_load(keys[:run], ctx)
             manager.complete_load(keys[:run], ctx)
-        new = store_keys[run:] if admits_new_blocks(ctx, manager.policy) else []
+        new = store_keys[run:]
+        if new and not admits_new_blocks(ctx, manager.policy, len(new)):
+            new = []
         for start in range(0, len(new), piece):
             out = manager.prepare_store(new[start : start + piece], ctx)
             if out is None:

@@ -105,14 +105,18 @@ def hint_of(ctx: ReqContext | None) -> SessionHint | None:
     return hint
 
 
-def admits_new_blocks(ctx: ReqContext | None, policy: object) -> bool:
-    """The simple hint rule for policies that do not read hints themselves (LRU, ARC): a
-    request whose session will not continue (``continues=False``) stores no new blocks — they
-    would only push out blocks that will be read again. Shared prefixes it reuses are already
-    cached; promotions for the request itself are not affected. Policies that read hints
-    (``uses_hints = True``, e.g. ``turn_aware``) decide for themselves.
+def admits_new_blocks(ctx: ReqContext | None, policy: object, n: int = 1) -> bool:
+    """Whether the request of ``ctx`` may store ``n`` new blocks in the tier of ``policy``.
+
+    Policies that read hints themselves (``uses_hints = True``, e.g. ``turn_aware``) decide
+    through their :meth:`~kvcascade.policies.CachePolicy.admits` (``turn_aware``: admission
+    control by learned value). The others (LRU, ARC) get the simple hint rule: a request whose
+    session will not continue (``continues=False``) stores no new blocks — they would only push
+    out blocks that will be read again. Shared prefixes it reuses are already cached;
+    promotions for the request itself are not affected.
     """
     if getattr(policy, "uses_hints", False):
-        return True
+        admits = getattr(policy, "admits", None)
+        return True if admits is None else bool(admits(ctx, n))
     hint = hint_of(ctx)
     return hint is None or hint.continues is not False

@@ -14,7 +14,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 from kvcascade import CPUOffloadingManager, ReqContext
 from kvcascade._compare import storable_blocks
 from kvcascade._trace import TraceRequest
-from kvcascade.hints import SessionHint, hint_of
+from kvcascade.hints import SessionHint, admits_new_blocks, hint_of
 from kvcascade.policies import BlockStatus, TurnAwareCachePolicy, resolve_cache_policy
 from kvcascade.policies.turn_aware import _Request
 
@@ -272,3 +272,80 @@ def test_insert_of_a_ready_block_is_evictable() -> None:
     assert victims is not None and victims[0][0] == b"k"
     assert policy.evict(1, ()) is None
     assert policy.evict(0, ()) == []
+
+
+def _train(mgr: CPUOffloadingManager, rounds: int = 30) -> None:
+    """Two conversations hinted ``continues=True`` come back every round (and stay cached);
+    requests hinted ``continues=False`` never come back (read, not stored)."""
+    for i in range(rounds):
+        for conv in (b"k", b"m"):
+            ctx = ReqContext(f"{conv.decode()}{i}")
+            ctx.set_state(SessionHint(continues=True))
+            _store(mgr, [conv + b"/0", conv + b"/1"], ctx)
+        no = ReqContext(f"n{i}")
+        no.set_state(SessionHint(continues=False))
+        mgr.touch([b"e%d/0" % i, b"e%d/1" % i, b"e%d/2" % i], no)
+
+
+def test_admission_refuses_blocks_worth_less_than_the_cheapest_resident() -> None:
+    mgr = CPUOffloadingManager(4, "turn_aware")
+    policy = mgr.policy
+    assert isinstance(policy, TurnAwareCachePolicy)
+    fresh = ReqContext("fresh")
+    mgr.touch([b"f/0", b"f/1"], fresh)
+    assert policy.admits(fresh, 2)  # free slots: always
+    _train(mgr)
+    assert sorted(policy.keys()) == [b"k/0", b"k/1", b"m/0", b"m/1"]
+    no = ReqContext("no")
+    no.set_state(SessionHint(continues=False))
+    mgr.touch([b"x/0", b"x/1"], no)
+    assert not policy.admits(no, 2)
+    assert not admits_new_blocks(no, policy, 2)
+    urgent = ReqContext("urgent")
+    urgent.set_state(SessionHint(continues=False, priority=1))
+    mgr.touch([b"u/0", b"u/1"], urgent)
+    assert policy.admits(urgent, 2)  # a higher priority outranks every resident
+    assert policy.admits(ReqContext("never touched"), 2)  # unknown request: stored
+    policy.admission_margin = None
+    assert policy.admits(no, 2)
+
+
+def test_turnover_is_measured_from_resident_ages() -> None:
+    policy = TurnAwareCachePolicy(2, horizon_factor=1.0)
+    assert policy.turnover() == 2.0  # empty: the capacity
+    policy.touch([b"a", b"b", b"c"], ReqContext("r1"))  # 3 ticks
+    policy.insert(b"a", BlockStatus(0, ref_cnt=0))  # last read at tick 3
+    for i in range(10):
+        policy.touch([b"z%d" % i] * 10, ReqContext(f"z{i}"))  # 100 more ticks
+    assert policy.turnover() == 2.0 * 100  # twice the mean age
+    policy.horizon_factor = 0.5
+    assert policy.turnover() == 100.0
+
+
+def test_the_shared_root_teaches_nothing() -> None:
+    """Conversations sharing only the root block never come back: their class learns a
+    re-read chance of about 0, although the root itself is read by every request."""
+    policy = TurnAwareCachePolicy(16)
+    for i in range(50):
+        policy.touch([b"root", b"c%d/1" % i, b"c%d/2" % i], ReqContext(f"r{i}"))
+    (idx,) = range(len(policy._classes))
+    assert policy._classes[idx].key == (0, 0, 1, 2)
+    assert policy._classes[idx].reads == 0.0
+    assert policy.reuse_probability(idx) == 0.0
+
+
+def test_saved_state_is_private_and_atomic(tmp_path: Path) -> None:
+    policy = TurnAwareCachePolicy(8)
+    policy.touch([b"a", b"b"], ReqContext("1"))
+    policy.touch([b"a", b"b", b"c"], ReqContext("2"))
+    path = tmp_path / "state.json"
+    policy.save_state(path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
+    with pytest.raises(OSError):
+        policy.save_state(tmp_path / "missing" / "state.json")
+    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
+    other = TurnAwareCachePolicy(8, max_turn=3)
+    with pytest.raises(ValueError, match="max_turn"):
+        other.load_state(path)
+    assert other.state() == TurnAwareCachePolicy(8, max_turn=3).state()  # unchanged

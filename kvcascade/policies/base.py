@@ -95,6 +95,12 @@ class CachePolicy(ABC):
     def clear(self) -> None:
         """Forget everything (ghost state too)."""
 
+    def admits(self, ctx: ReqContext | None, n: int = 1) -> bool:
+        """Hook: whether ``n`` new blocks of the request of ``ctx`` should be stored at all
+        (asked before ``prepare_store`` for policies with ``uses_hints``; see
+        :func:`kvcascade.hints.admits_new_blocks`). Default: always."""
+        return True
+
     def mark_evictable(self, key: bytes) -> None:  # noqa: B027 - optional hook
         """Hook: the block's ``ref_cnt`` became 0."""
 

@@ -6,35 +6,49 @@ visible in the chained block hashes — predicts it: a request whose leading blo
 prompt of an earlier request is that conversation's next turn, and later turns continue more
 often. The policy therefore
 
-1. keeps a bounded **directory** of recently seen keys (``directory_factor × capacity``
-   entries, least recently seen dropped first) remembering, per key, the class and logical time
-   of its last read and whether it ended a prompt (and at which turn);
+1. keeps a bounded **directory** of recently read keys (``max(min_directory,
+   directory_factor × capacity)`` entries, least recently read dropped first) remembering, per
+   key, the class and logical time of its last read and whether it ended a prompt (and at which
+   turn);
 2. on a request's first ``touch`` infers its turn (1 + turn of the deepest earlier prompt end
    among its keys) and its number of new blocks, and files all its blocks under the class
    ``(hint, priority, turn, log2 new blocks)``;
-3. learns, per class, the distribution of the time until a block is read again: every read of
-   a key still in the directory — hit or miss — is one sample for the class the key had;
-4. evicts the block least likely to be read again within the cache's turnover time ``H``:
-   for a class with survival function ``S`` and a block of age ``a`` (time since its last
-   read), that probability is ``(S(a) − S(a + H)) / S(a)``. A class worth less than every
-   resident block is evicted as soon as it is stored — in effect not admitted.
+3. learns from every read of a key still in the directory — hit or miss — one sample of "time
+   until read again" for the class the key had. Per class it keeps ``p``, the chance that a
+   block is read again at all (re-reads / blocks filed), smoothed towards its turn's ``p`` and
+   that towards the pool's with ``_PRIOR`` pseudo-blocks; the *shape* ``F`` of the time to a
+   re-read is pooled over all classes (per-class shapes are too noisy in their tails). The root
+   block is left out of the learning: every conversation shares it, so its re-reads say
+   nothing about its class;
+4. evicts the block least likely to be read again within the cache's turnover time ``H``: for
+   a block of age ``a`` (time since its last read) that probability is
+   ``p (F(a + H) − F(a)) / (1 − p F(a))``;
+5. **admission**: a request's new blocks are stored only when a fresh block of its class is
+   worth at least ``admission_margin`` times the cheapest evictable block (see :meth:`admits`;
+   the caller — :class:`kvcascade.coordinator.Coordinator` and the ``--compare-policies``
+   replay — asks through :func:`kvcascade.hints.admits_new_blocks`).
 
-Time is logical: one tick per block inserted, so ``H = horizon_factor × capacity`` ticks is how
-long an LRU cache of the same size keeps a block; sample times use the same clock. Wall time
-(``clock``) is used only for the ``ttl_s`` of session hints.
+Time is logical: one tick per block a request reads (hit or miss, counted when the request is
+classified), a clock that does not depend on the cache's own decisions. The turnover time is
+measured, not assumed: ``H = horizon_factor × max(capacity, 2 × mean age of the resident
+blocks)`` ticks (a cache whose blocks leave at age ``T`` holds blocks of mean age ``T / 2``).
+A small cache that admits little keeps what it admits for many times its capacity in ticks, and
+``H`` follows. Wall time (``clock``) is used only for the ``ttl_s`` of session hints.
 
 Within a class blocks leave oldest first and, for one request, deepest first; in addition a
 block with a resident child is passed over while any leaf can go (the "deepest-first" free rule:
-no cached block is left without its parent unless only such blocks are evictable).
+no cached block is left without its parent unless only such blocks are evictable). Classes that
+nothing distinguishes yet (cold start) tie, and ties go oldest first: an untrained policy is LRU.
 
-Cost: ``touch`` O(k log n) for k keys (heap pushes); ``evict(n)`` O(K + n log n) with K the
-number of non-empty classes (at most ``3 × 7 × max_turn × 9``, a constant); memory per resident
-block one entry (≈ 200 B) and per directory key one entry (≈ 150 B); class statistics
-``O(K × 64)`` floats.
+Cost: ``touch`` O(k log n) for k keys (heap pushes); ``evict(n)`` and :meth:`admits` O(K + n
+log n) with K the number of non-empty classes (at most ``3 × 7 × max_turn × 9``, a constant);
+the pooled shape is recomputed (O(64)) at most once per such call after it learned something.
+Memory per resident block one entry (≈ 200 B) and per directory key one entry (≈ 150 B).
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import json
 import math
@@ -50,17 +64,29 @@ from .base import BlockStatus, CachePolicy, as_sequence
 
 #: Histogram buckets: bucket ``b`` holds times ``t`` with ``int(2 × log2(t + 1)) == b``.
 _BUCKETS = 64
-#: Pseudo-count pulling a sparse class towards the pooled distribution of all classes.
+#: Pseudo-count (blocks) pulling a sparse class towards its turn, and a turn towards the pool.
 _PRIOR = 20.0
 #: Value given to blocks past their hint's TTL: below every priority level.
 _EXPIRED = -1.0 - 2 * MAX_PRIORITY
 #: Format version of :meth:`TurnAwareCachePolicy.save_state` files.
-_STATE_VERSION = 1
+_STATE_VERSION = 2
+
+ClassKey = tuple[int, int, int, int]
 
 
 def _bucket(t: float) -> int:
     """Histogram bucket of a time ``t >= 0`` (ticks)."""
     return min(int(2.0 * math.log2(t + 1.0)), _BUCKETS - 1)
+
+
+def _cdf(cum: list[float], t: float) -> float:
+    """The cumulative histogram ``cum`` at time ``t`` (ticks), interpolated within its bucket
+    (linear in ``log2(t + 1)``)."""
+    x = 2.0 * math.log2(t + 1.0)
+    b = int(x)
+    if b >= _BUCKETS:
+        return cum[_BUCKETS]
+    return cum[b] + (x - b) * (cum[b + 1] - cum[b])
 
 
 class _Entry:
@@ -89,30 +115,44 @@ class _Request:
         self.deadline = deadline
 
 
-class _ClassStats:
-    """Learned re-read time distribution of one class (counts are floats: loaded state)."""
+class _Counts:
+    """Blocks filed under a class or a turn (``labels``) and how many were read again."""
 
-    __slots__ = ("dirty", "heap", "key", "labels", "live", "p", "reads")
+    __slots__ = ("labels", "reads")
 
-    def __init__(self, key: tuple[int, int, int, int]) -> None:
+    def __init__(self) -> None:
+        self.labels = 0.0  # floats: loaded state
+        self.reads = 0.0
+
+
+class _ClassStats(_Counts):
+    """A class: its counts, its turn's counts and the heap of its evictable leaf blocks."""
+
+    __slots__ = ("group", "heap", "key", "live")
+
+    def __init__(self, key: ClassKey, group: _Counts) -> None:
+        super().__init__()
         self.key = key
-        self.labels = 0.0  # blocks filed under the class
-        self.reads = [0.0] * _BUCKETS  # re-reads by time-to-re-read bucket
-        self.p = 0.0  # smoothed P(read again at all)
-        self.dirty = True
+        self.group = group
         self.heap: list[tuple[int, int, int, bytes]] = []  # (tick, -depth, token, key)
         self.live = 0  # valid heap items
 
 
 class TurnAwareCachePolicy(CachePolicy):
-    """Turn-aware eviction; see the module docstring for the model.
+    """Turn-aware eviction with admission control; see the module docstring for the model.
 
     Args:
         cache_capacity: slots of the tier (blocks).
         directory_factor: directory size as a multiple of ``cache_capacity`` (≥ 1; default 4).
-        horizon_factor: turnover time ``H`` as a multiple of ``cache_capacity`` ticks
-            (> 0; default 1).
-        max_turn: turns at or above this share one class (≥ 1; default 8).
+        min_directory: the directory holds at least this many keys (≥ 0; default 65 536, about
+            10 MB): a small cache that admits little keeps blocks far longer than
+            ``cache_capacity`` ticks, and the directory must reach back further than that to
+            see conversations come back and infer their turns.
+        horizon_factor: turnover time ``H`` as a multiple of the measured one (> 0; default 1).
+        max_turn: turns at or above this share one class (≥ 1; default 5).
+        admission_margin: store a request's new blocks only if a fresh block of its class is
+            worth at least this multiple of the cheapest evictable block (≥ 0; default 1.5;
+            None: store everything and let eviction sort it out).
         clock: wall clock in seconds for hint TTLs (default ``time.monotonic``).
 
     Hints (:class:`kvcascade.hints.SessionHint`, from the ``ctx`` of ``touch``): ``continues``
@@ -125,92 +165,121 @@ class TurnAwareCachePolicy(CachePolicy):
     """
 
     uses_hints = True
+    #: File name of the saved state beside the fs tier's ``config.json``
+    #: (:mod:`kvcascade._policy_state`).
+    state_file_name = "turn_aware_state.json"
 
     def __init__(
         self,
         cache_capacity: int,
         directory_factor: float = 4.0,
+        min_directory: int = 1 << 16,
         horizon_factor: float = 1.0,
-        max_turn: int = 8,
+        max_turn: int = 5,
+        admission_margin: float | None = 1.5,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(cache_capacity)
         if directory_factor < 1:
             raise ValueError(f"directory_factor must be >= 1, got {directory_factor}")
+        if min_directory < 0:
+            raise ValueError(f"min_directory must be >= 0, got {min_directory}")
         if horizon_factor <= 0:
             raise ValueError(f"horizon_factor must be > 0, got {horizon_factor}")
         if max_turn < 1:
             raise ValueError(f"max_turn must be >= 1, got {max_turn}")
-        self.directory_size = max(16, int(directory_factor * cache_capacity))
-        self.horizon = max(1.0, horizon_factor * cache_capacity)
+        if admission_margin is not None and not admission_margin >= 0:
+            raise ValueError(f"admission_margin must be >= 0 or None, got {admission_margin}")
+        self.directory_size = max(16, min_directory, int(directory_factor * cache_capacity))
+        self.horizon_factor = horizon_factor
         self.max_turn = max_turn
+        self.admission_margin = admission_margin
         self.clock = clock
         self._blocks: dict[bytes, _Entry] = {}
         # key -> [class, tick of last read, prompt-end turn (0: none), parent key]
         self._directory: OrderedDict[bytes, list[Any]] = OrderedDict()
         self._classes: list[_ClassStats] = []
-        self._class_index: dict[tuple[int, int, int, int], int] = {}
-        self._pooled = _ClassStats((0, 0, 0, 0))
+        self._class_index: dict[ClassKey, int] = {}
+        self._groups: dict[tuple[int, int, int], _Counts] = {}
+        self._pooled = _Counts()
+        self._pooled_reads = [0.0] * _BUCKETS  # re-reads by time-to-re-read bucket
         self._shape = [0.0] * (_BUCKETS + 1)  # pooled P(re-read before bucket b | re-read)
-        self._tick = 0
+        self._shape_dirty = True
+        self._tick = 0  # blocks read so far
         self._token = 0
         self._evictable = 0  # resident blocks with ref_cnt == 0
+        self._tick_sum = 0  # sum of the resident blocks' last-read ticks
 
     # -- classes and statistics --------------------------------------------------------------
-    def _class(self, key: tuple[int, int, int, int]) -> int:
+    def _class(self, key: ClassKey) -> int:
         idx = self._class_index.get(key)
         if idx is None:
+            group = self._groups.get(key[:3])  # type: ignore[call-overload]
+            if group is None:
+                group = self._groups[key[:3]] = _Counts()  # type: ignore[index]
             idx = len(self._classes)
             self._class_index[key] = idx
-            self._classes.append(_ClassStats(key))
+            self._classes.append(_ClassStats(key, group))
         return idx
 
-    def _refresh_shape(self) -> None:
-        """Recompute the pooled distribution of the time to a re-read (given one happens)."""
-        reads = self._pooled.reads
-        total = sum(reads)
-        shape = self._shape
-        acc = 0.0
-        for b in range(_BUCKETS):
-            acc += reads[b]
-            shape[b + 1] = acc / total if total else 0.0
-        self._pooled.dirty = False
+    def _pooled_shape(self) -> list[float]:
+        """The pooled distribution of the time to a re-read, given one happens (cumulative by
+        bucket; recomputed when it learned something)."""
+        if self._shape_dirty:
+            reads = self._pooled_reads
+            total = sum(reads)
+            shape = self._shape
+            acc = 0.0
+            for b in range(_BUCKETS):
+                acc += reads[b]
+                shape[b + 1] = acc / total if total else 0.0
+            self._shape_dirty = False
+        return self._shape
 
-    def _refresh(self, stats: _ClassStats) -> None:
-        """Recompute the class's probability of being read again, smoothed towards the pool."""
+    def reuse_probability(self, cls: int) -> float:
+        """Smoothed P(a block of class ``cls`` is read again at all, within the directory)."""
         pooled = self._pooled
-        pooled_p = sum(pooled.reads) / pooled.labels if pooled.labels else 0.0
-        stats.p = min(1.0, (sum(stats.reads) + _PRIOR * pooled_p) / (stats.labels + _PRIOR))
-        stats.dirty = False
+        p = min(1.0, pooled.reads / pooled.labels) if pooled.labels else 0.0
+        stats = self._classes[cls]
+        group = stats.group
+        p = (group.reads + _PRIOR * p) / (group.labels + _PRIOR)
+        return min(1.0, (stats.reads + _PRIOR * p) / (stats.labels + _PRIOR))
 
-    def reread_probability(self, cls: int, age: float) -> float:
-        """P(a block of class ``cls`` idle for ``age`` ticks is read within the next ``H``).
+    def turnover(self) -> float:
+        """The cache's turnover time ``H`` (ticks): ``horizon_factor × max(capacity, twice the
+        mean age of the resident blocks)``, at least 1."""
+        horizon = float(self.cache_capacity)
+        if self._blocks:
+            horizon = max(horizon, 2.0 * (self._tick - self._tick_sum / len(self._blocks)))
+        return max(1.0, self.horizon_factor * horizon)
+
+    def reread_probability(self, cls: int, age: float, horizon: float | None = None) -> float:
+        """P(a block of class ``cls`` idle for ``age`` ticks is read within the next
+        ``horizon`` ticks (default: the turnover time ``H``)).
 
         ``p (F(a + H) − F(a)) / (1 − p F(a))`` with ``p`` the class's chance of any re-read and
         ``F`` the pooled distribution of the time to it.
         """
-        stats = self._classes[cls]
-        if stats.dirty:
-            self._refresh(stats)
-        if self._pooled.dirty:
-            self._refresh_shape()
-        shape = self._shape
-        p = stats.p
-        before = p * shape[_bucket(age)]
+        if horizon is None:
+            horizon = self.turnover()
+        shape = self._pooled_shape()
+        p = self.reuse_probability(cls)
+        before = p * _cdf(shape, age)
         survive = 1.0 - before
         if survive <= 1e-9:
             return 0.0
-        return (p * shape[_bucket(age + self.horizon) + 1] - before) / survive
+        return (p * _cdf(shape, age + horizon) - before) / survive
 
-    def _value(self, entry: _Entry, now_s: float | None) -> float:
+    def _value(self, entry: _Entry, now_s: float | None, horizon: float) -> float:
         if entry.deadline is not None and now_s is not None and now_s > entry.deadline:
             return _EXPIRED
         stats = self._classes[entry.cls]
-        return stats.key[1] + self.reread_probability(entry.cls, self._tick - entry.tick)
+        return stats.key[1] + self.reread_probability(entry.cls, self._tick - entry.tick, horizon)
 
     def class_table(self) -> list[dict[str, Any]]:
         """Per class: key fields, blocks filed, re-reads, P(re-read within H) when fresh."""
         out = []
+        horizon = self.turnover()
         for idx, stats in enumerate(self._classes):
             hint, prio, turn, nb = stats.key
             out.append(
@@ -220,16 +289,18 @@ class TurnAwareCachePolicy(CachePolicy):
                     "turn": turn,
                     "new_blocks_log2": nb,
                     "labels": stats.labels,
-                    "rereads": sum(stats.reads),
-                    "p_reread_within_h": self.reread_probability(idx, 0.0),
+                    "rereads": stats.reads,
+                    "p_reread_within_h": self.reread_probability(idx, 0.0, horizon),
                 }
             )
         return out
 
     # -- request classification -------------------------------------------------------------
     def _classify(self, keys: list[bytes], ctx: ReqContext | None) -> _Request:
-        """Infer turn and new blocks of the request reading ``keys``; learn from the reads."""
+        """Infer turn and new blocks of the request reading ``keys``; learn from the reads;
+        advance the clock by ``len(keys)`` ticks."""
         directory = self._directory
+        now = self._tick
         turn = 1
         known = 0
         matched = -1
@@ -254,37 +325,43 @@ class TurnAwareCachePolicy(CachePolicy):
         deadline = None
         if hint is not None and hint.ttl_s is not None:
             deadline = self.clock() + hint.ttl_s
-        # Learn: each key still in the directory was read again after (now - last tick).
-        now = self._tick
+        # Learn: each key still in the directory was read again after (now - last tick). The
+        # root (shared by every conversation) is neither a sample nor a label.
         classes = self._classes
-        pooled = self._pooled
-        target = classes[cls]
+        pooled_reads = self._pooled_reads
+        reads = 0
         parent: bytes | None = None
-        for key in keys:
+        for depth, key in enumerate(keys):
             info = directory.get(key)
-            if info is not None:
-                b = _bucket(now - info[1])
-                old = classes[info[0]]
-                old.reads[b] += 1.0
-                old.dirty = True
-                pooled.reads[b] += 1.0
+            if info is None:
+                directory[key] = [cls, now, 0, parent]
+            else:
+                if depth or len(keys) == 1:
+                    old = classes[info[0]]
+                    old.reads += 1.0
+                    old.group.reads += 1.0
+                    pooled_reads[_bucket(now - info[1])] += 1.0
+                    reads += 1
                 info[0] = cls
                 info[1] = now
                 info[3] = parent
                 directory.move_to_end(key)
-            else:
-                directory[key] = [cls, now, 0, parent]
             parent = key
-        target.labels += len(keys)
-        target.dirty = True
-        pooled.labels += len(keys)
-        pooled.dirty = True
+        labels = float(len(keys) - 1 if len(keys) > 1 else 1)
+        target = classes[cls]
+        target.labels += labels
+        target.group.labels += labels
+        self._pooled.labels += labels
+        self._pooled.reads += reads
+        if reads:
+            self._shape_dirty = True
         # Prompt ends: the last two keys (the last block of a prompt may be partial and so
         # absent from the next turn); the root never counts (it may be a shared system prompt).
         for key in keys[-2:] if len(keys) > 2 else keys[1:]:
             directory[key][2] = turn
         while len(directory) > self.directory_size:
             directory.popitem(last=False)
+        self._tick = now + len(keys)
         return _Request(cls, deadline)
 
     # -- heaps ---------------------------------------------------------------------------------
@@ -320,6 +397,15 @@ class TurnAwareCachePolicy(CachePolicy):
             heapq.heappop(heap)
         return None
 
+    def _heads(self, now_s: float, horizon: float) -> list[tuple[float, int, int, int]]:
+        """Per non-empty class: (value of its head, head tick, -depth, class index)."""
+        blocks = self._blocks
+        heads = []
+        for idx, stats in enumerate(self._classes):
+            if stats.live and (item := self._head(stats)) is not None:
+                heads.append((self._value(blocks[item[3]], now_s, horizon), item[0], item[1], idx))
+        return heads
+
     # -- CachePolicy ---------------------------------------------------------------------------
     def get(self, key: bytes) -> BlockStatus | None:
         entry = self._blocks.get(key)
@@ -331,11 +417,11 @@ class TurnAwareCachePolicy(CachePolicy):
             self._push(key, entry)
 
     def insert(self, key: bytes, block: BlockStatus) -> None:
-        self._tick += 1
         info = self._directory.get(key)
         parent = None if info is None else info[3]
         entry = _Entry(block, None)
         entry.tick = self._tick
+        self._tick_sum += self._tick
         entry.cls = info[0] if info is not None else self._class((0, 0, 1, 0))
         self._blocks[key] = entry
         if parent is not None and (p := self._blocks.get(parent)) is not None:
@@ -348,6 +434,7 @@ class TurnAwareCachePolicy(CachePolicy):
 
     def _forget(self, key: bytes) -> _Entry:
         entry = self._blocks.pop(key)
+        self._tick_sum -= entry.tick
         self._unpush(entry)
         if entry.block.ref_cnt == 0:
             self._evictable -= 1
@@ -378,10 +465,41 @@ class TurnAwareCachePolicy(CachePolicy):
                 continue
             self._unpush(entry)
             entry.cls = request.cls
+            self._tick_sum += tick - entry.tick
             entry.tick = tick
             entry.depth = depth
             entry.deadline = request.deadline
             self._offer(key, entry)
+
+    def admits(self, ctx: ReqContext | None, n: int = 1) -> bool:
+        """Whether to store ``n`` new blocks of the request of ``ctx`` at all.
+
+        True when admission is off (``admission_margin`` None), the request is unknown (not
+        touched yet), the ``n`` blocks fit in free slots, or nothing is evictable; otherwise
+        when a fresh block of the request's class outranks the cheapest evictable block: a
+        higher priority, or the same priority and ``admission_margin`` times its P(read within
+        ``H``). A refused request's blocks are not stored (nor cascaded to secondary tiers).
+        """
+        margin = self.admission_margin
+        if margin is None or ctx is None:
+            return True
+        request = ctx.get_state(_Request)
+        if request is None or len(self._blocks) + n <= self.cache_capacity:
+            return True
+        now_s = self.clock()
+        horizon = self.turnover()
+        heads = self._heads(now_s, horizon)
+        if not heads:
+            return True
+        low, _, _, idx = min(heads)
+        if low == _EXPIRED:
+            return True
+        prio = self._classes[request.cls].key[1]
+        low_prio = self._classes[idx].key[1]
+        if prio != low_prio:
+            return prio > low_prio
+        value = self.reread_probability(request.cls, 0.0, horizon)
+        return value >= margin * (low - low_prio)
 
     def mark_evictable(self, key: bytes) -> None:
         self._evictable += 1
@@ -403,11 +521,11 @@ class TurnAwareCachePolicy(CachePolicy):
         if self._evictable - shielded < n:
             return None
         now_s = self.clock()
+        horizon = self.turnover()
         classes = self._classes
-        heads: list[tuple[float, int]] = []
-        for idx, stats in enumerate(classes):
-            if stats.live and (item := self._head(stats)) is not None:
-                heads.append((self._value(blocks[item[3]], now_s), idx))
+        # (value, tick, -depth, class): cheapest first; equal values (an untrained policy)
+        # go oldest first, i.e. LRU.
+        heads = self._heads(now_s, horizon)
         heapq.heapify(heads)
         out: list[tuple[bytes, BlockStatus]] = []
         passed: list[tuple[int, tuple[int, int, int, bytes]]] = []  # protected heads
@@ -420,15 +538,15 @@ class TurnAwareCachePolicy(CachePolicy):
                 )
                 out.append((key, self._forget(key).block))
                 continue
-            value, idx = heapq.heappop(heads)
+            value, _, _, idx = heapq.heappop(heads)
             stats = classes[idx]
             item = self._head(stats)
             if item is None:
                 continue
             key = item[3]
-            current = self._value(blocks[key], now_s)
+            current = self._value(blocks[key], now_s, horizon)
             if current > value and heads and current > heads[0][0]:
-                heapq.heappush(heads, (current, idx))  # stale rank: re-rank the class
+                heapq.heappush(heads, (current, item[0], item[1], idx))  # stale: re-rank
                 continue
             offered = None
             if key in protected:
@@ -441,9 +559,11 @@ class TurnAwareCachePolicy(CachePolicy):
                 if parent is not None and parent.token >= 0:
                     offered = parent
             if (nxt := self._head(stats)) is not None:
-                heapq.heappush(heads, (self._value(blocks[nxt[3]], now_s), idx))
+                value = self._value(blocks[nxt[3]], now_s, horizon)
+                heapq.heappush(heads, (value, nxt[0], nxt[1], idx))
             if offered is not None:
-                heapq.heappush(heads, (self._value(offered, now_s), offered.cls))
+                value = self._value(offered, now_s, horizon)
+                heapq.heappush(heads, (value, offered.tick, -offered.depth, offered.cls))
         for idx, item in passed:
             heapq.heappush(classes[idx].heap, item)
         return out
@@ -455,68 +575,133 @@ class TurnAwareCachePolicy(CachePolicy):
             stats.heap.clear()
             stats.live = 0
         self._tick = 0
+        self._tick_sum = 0
         self._evictable = 0
 
     def keys(self) -> Iterable[bytes]:
         return self._blocks.keys()
 
     # -- persistence ---------------------------------------------------------------------------
-    def save_state(self, path: str | os.PathLike[str]) -> None:
-        """Write the learned class statistics as JSON (atomically: temp file + rename).
-
-        Only the statistics are saved — no keys, no resident blocks. Raises ``OSError``.
-        """
-        state = {
+    def state(self) -> dict[str, Any]:
+        """The learned statistics as a JSON-serialisable dict: per class and per turn the
+        blocks filed and re-read, the pooled re-read time histogram. No keys, no blocks."""
+        return {
             "version": _STATE_VERSION,
-            "classes": [
-                {"key": list(s.key), "labels": s.labels, "reads": s.reads} for s in self._classes
-            ],
-            "pooled": {"labels": self._pooled.labels, "reads": self._pooled.reads},
+            "max_turn": self.max_turn,
+            "classes": [[*s.key, s.labels, s.reads] for s in self._classes],
+            "groups": [[*k, g.labels, g.reads] for k, g in self._groups.items()],
+            "pooled": {
+                "labels": self._pooled.labels,
+                "reads": self._pooled.reads,
+                "histogram": list(self._pooled_reads),
+            },
         }
-        tmp = f"{os.fspath(path)}.tmp"
-        with open(tmp, "w", encoding="utf-8") as handle:
-            json.dump(state, handle)
-        os.replace(tmp, path)
 
-    def load_state(self, path: str | os.PathLike[str]) -> None:
-        """Replace the class statistics with those saved by :meth:`save_state`.
+    def set_state(self, state: Any, source: str = "state") -> None:
+        """Replace the learned statistics with ``state`` (as returned by :meth:`state`).
 
-        Resident blocks and the directory are kept. Raises ``OSError`` (unreadable file) or
-        ``ValueError`` (not a state file of this version).
+        Resident blocks and the directory are kept.
+
+        Raises:
+            ValueError: ``state`` is malformed, of another version or saved with another
+                ``max_turn``; nothing changes then.
         """
-        with open(path, encoding="utf-8") as handle:
-            try:
-                state = json.load(handle)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{os.fspath(path)}: not a policy state file ({exc})") from exc
+
+        def counts(value: Any) -> float:
+            number = float(value)
+            if not math.isfinite(number) or number < 0:
+                raise ValueError(f"bad count {value!r}")
+            return number
+
+        def rows(items: Any, width: int) -> list[tuple[tuple[int, ...], float, float]]:
+            out = []
+            for item in items:
+                if not isinstance(item, list) or len(item) != width + 2:
+                    raise ValueError(f"bad row {item!r}")
+                key = tuple(int(v) for v in item[:width])
+                out.append((key, counts(item[width]), counts(item[width + 1])))
+            return out
+
         try:
-            if state["version"] != _STATE_VERSION:
-                raise ValueError(f"unsupported state version {state['version']!r}")
-            loaded = [
-                (
-                    tuple(int(v) for v in c["key"]),
-                    float(c["labels"]),
-                    [float(r) for r in c["reads"]],
+            if not isinstance(state, dict):
+                raise ValueError("not an object")
+            if state.get("version") != _STATE_VERSION:
+                raise ValueError(f"unsupported state version {state.get('version')!r}")
+            if state.get("max_turn") != self.max_turn:
+                raise ValueError(
+                    f"saved with max_turn={state.get('max_turn')!r}, this policy has "
+                    f"{self.max_turn}"
                 )
-                for c in state["classes"]
-            ]
-            pooled_labels = float(state["pooled"]["labels"])
-            pooled_reads = [float(r) for r in state["pooled"]["reads"]]
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"{os.fspath(path)}: malformed policy state ({exc!r})") from exc
-        if (
-            any(len(k) != 4 or len(r) != _BUCKETS for k, _, r in loaded)
-            or len(pooled_reads) != _BUCKETS
-        ):
-            raise ValueError(f"{os.fspath(path)}: policy state of another shape")
+            classes = rows(state["classes"], 4)
+            groups = rows(state["groups"], 3)
+            pooled = state["pooled"]
+            pooled_labels = counts(pooled["labels"])
+            pooled_total = counts(pooled["reads"])
+            histogram = [counts(r) for r in pooled["histogram"]]
+            if len(histogram) != _BUCKETS:
+                raise ValueError(f"histogram of {len(histogram)} buckets, expected {_BUCKETS}")
+            for key, _, _ in classes:
+                hint, prio, turn, nb = key
+                if not (
+                    0 <= hint <= 2
+                    and abs(prio) <= MAX_PRIORITY
+                    and 1 <= turn <= self.max_turn
+                    and 0 <= nb <= 8
+                ):
+                    raise ValueError(f"class {key} out of range")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: malformed policy state ({exc})") from exc
         for stats in self._classes:
-            stats.labels = 0.0
-            stats.reads = [0.0] * _BUCKETS
-            stats.dirty = True
-        for key, labels, reads in loaded:
+            stats.labels = stats.reads = 0.0
+        for group in self._groups.values():
+            group.labels = group.reads = 0.0
+        for key, labels, reads in classes:
             stats = self._classes[self._class(key)]  # type: ignore[arg-type]
             stats.labels = labels
             stats.reads = reads
-            stats.dirty = True
+        for key, labels, reads in groups:
+            group = self._groups.get(key)  # type: ignore[call-overload]
+            if group is None:
+                group = self._groups[key] = _Counts()  # type: ignore[index]
+            group.labels = labels
+            group.reads = reads
         self._pooled.labels = pooled_labels
-        self._pooled.reads = pooled_reads
+        self._pooled.reads = pooled_total
+        self._pooled_reads = histogram
+        self._shape_dirty = True
+
+    def save_state(self, path: str | os.PathLike[str]) -> None:
+        """Write :meth:`state` as JSON to ``path``, atomically (a temp file beside it, fsync,
+        ``os.replace``) and readable by the owner only (mode 0600).
+
+        Raises:
+            OSError: the file cannot be written (the temp file is removed).
+        """
+        target = os.fspath(path)
+        tmp = f"{target}.{os.getpid()}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                json.dump(self.state(), handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def load_state(self, path: str | os.PathLike[str]) -> None:
+        """Replace the learned statistics with those saved by :meth:`save_state`.
+
+        Raises:
+            OSError: the file cannot be read.
+            ValueError: not a state file of this version and ``max_turn`` (nothing changes).
+        """
+        with open(path, "rb") as handle:
+            raw = handle.read()
+        try:
+            state = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{os.fspath(path)}: not a policy state file ({exc})") from exc
+        self.set_state(state, os.fspath(path))
