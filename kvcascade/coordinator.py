@@ -33,6 +33,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from ._errors import BlockUnavailableError
+from ._policy_state import load_policy_state, policy_state_path, save_policy_state
 from ._types import (
     CPULoadStoreSpec,
     JobResult,
@@ -85,6 +86,12 @@ class TieringCoordinator:
             (None: never).
         registry: Prometheus registry for :attr:`metrics` (default: a private one).
 
+    Attributes:
+        policy_state_path: where the primary policy's learned state is loaded from at
+            construction and saved to at :meth:`shutdown` — beside the first fs tier's
+            ``config.json`` — or None (a policy without state, or no fs tier); see
+            :mod:`kvcascade._policy_state`.
+
     All methods run on the event-loop thread that runs the tiers' actors and never block.
     """
 
@@ -115,6 +122,10 @@ class TieringCoordinator:
         self._abandoned: dict[int, tuple[list[bytes], list[BlockStatus]]] = {}
         self._event_signal: asyncio.Event | None = None
         self._closed = False
+        # A learning primary policy keeps its state beside the fs tier (docs/policies.md).
+        self.policy_state_path = policy_state_path(primary.policy, self.tiers)
+        if self.policy_state_path is not None:
+            load_policy_state(primary.policy, self.policy_state_path)
 
     # -- polling -----------------------------------------------------------------------------
     def _poll(self, force: bool = False) -> None:
@@ -364,12 +375,14 @@ class TieringCoordinator:
         """Allocate primary slots for a GPU→CPU store (spec §3.7); None when full.
 
         For a request with request-level tiers, keys already readable in the primary are sent
-        to those tiers now (one store job per tier); keys being written are skipped. A request
-        hinted ``continues=False`` stores nothing new unless the policy reads hints itself
-        (:func:`kvcascade.hints.admits_new_blocks`).
+        to those tiers now (one store job per tier); keys being written are skipped. Nothing new
+        is stored when the policy refuses the request's new blocks (``turn_aware``'s admission
+        control) or, for policies that do not read hints, when it is hinted
+        ``continues=False`` (:func:`kvcascade.hints.admits_new_blocks`).
         """
         self._poll()
-        if not admits_new_blocks(ctx, self.primary.policy):
+        new = sum(1 for k in keys if self.primary.get_block(k) is None)
+        if not admits_new_blocks(ctx, self.primary.policy, new):
             return PrepareStoreOutput([], CPULoadStoreSpec([]), [])
         out = self.primary.prepare_store(keys, ctx)
         if out is None:
@@ -569,7 +582,10 @@ class TieringCoordinator:
         self._polled_this_step = False
 
     def shutdown(self) -> None:
-        """Stop every tier actor (queued jobs fail, running ones finish); idempotent."""
+        """Stop every tier actor (queued jobs fail, running ones finish); idempotent. The first
+        call saves the primary policy's learned state to :attr:`policy_state_path` (if any)."""
+        if not self._closed and self.policy_state_path is not None:
+            save_policy_state(self.primary.policy, self.policy_state_path)
         self._closed = True
         for tier in self.tiers:
             tier.close()
