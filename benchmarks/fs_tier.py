@@ -5,7 +5,9 @@ stored, then loaded back, in jobs of ``--blocks-per-job`` blocks:
 
 * tier: :class:`kvcascade.tiers.fs.FileSystemTier` driven through its public API inside its
   actor (``submit_store`` / ``submit_load`` of every job at once, then awaiting the futures):
-  header + xxh3-64 checksums written and verified, atomic temp + rename, capacity off.
+  header + xxh3-64 checksums written and verified, atomic temp + rename, capacity off. The
+  kernel extension is loaded (built if needed) before timing, so the tier runs its compiled
+  batch helpers (``kernels/fs_io.cpp``); ``--python-mover`` measures the pure-Python fallback.
 * raw: a ``concurrent.futures.ThreadPoolExecutor`` with the same number of threads, one task
   per job, doing per block ``os.mkdir`` of missing parents + ``open(tmp, O_CREAT|O_EXCL|
   O_WRONLY[|O_DIRECT])`` + one ``os.write`` + close + ``os.replace``; loads ``open`` +
@@ -38,6 +40,7 @@ import numpy as np
 import torch
 
 import kvcascade as kc
+from kvcascade.ops import _build
 from kvcascade.tiers._file_mapper import FileMapper, default_identity
 from kvcascade.tiers.fs import FileSystemTier
 
@@ -144,6 +147,7 @@ async def bench_size(args: argparse.Namespace, block: int) -> dict[str, float]:
                 io_threads=args.threads,
                 max_queued_jobs=n // per + 1,
                 o_direct=not args.buffered,
+                compiled_io=not args.python_mover,
             )
             raw = Raw(host, args.threads, tier.o_direct)
             raw_paths = [str(parent / "raw" / mapper.relative_path(k)) for k in keys]
@@ -196,10 +200,19 @@ async def main() -> None:
     parser.add_argument("--threads", type=int, default=8, help="I/O threads of both sides")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--buffered", action="store_true", help="no O_DIRECT on either side")
+    parser.add_argument(
+        "--python-mover", action="store_true", help="the tier's pure-Python mover (no extension)"
+    )
     args = parser.parse_args()
+    if args.python_mover:
+        mover = "python"
+    elif _build.load_extension() is not None:
+        mover = "compiled"
+    else:
+        mover = f"python (extension unavailable: {_build.extension_error()})"
     print(
         f"root={args.root} threads={args.threads} blocks/job={args.blocks_per_job} "
-        f"total={args.total_mib} MiB/pass repeats={args.repeats} (best of)"
+        f"total={args.total_mib} MiB/pass repeats={args.repeats} (best of) tier mover={mover}"
     )
     header = (
         f"{'block':>6} {'io':>8} | {'tier st':>8} {'raw st':>8} {'ratio':>6} | "

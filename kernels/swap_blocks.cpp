@@ -13,11 +13,10 @@
 // kvcascade.ops.swap computes them from validated tensors.
 //
 // No C++ exception ever crosses into Python and no message is built with iostreams: each op
-// returns (bytes, error kind, message) and the Python wrapper (kvcascade.ops.swap) raises; messages
-// are plain std::string concatenation (cat below). On the H200 image's torch 2.11.0+cu130 (GCC
-// 13.3) formatting a message with c10::str (an std::ostringstream) inside an extension killed the
-// interpreter with SIGSEGV - TORCH_CHECK in a one-line load_inline module did too, while throwing
-// std::runtime_error("literal") was caught normally.
+// returns (bytes, error kind, message) and the Python wrapper (kvcascade.ops.swap) raises; see
+// kvc_result.h for the convention and why.
+//
+// The module also holds the fs tier's batch I/O ops (fs_io.cpp, registered below).
 
 #include <torch/extension.h>
 
@@ -26,9 +25,24 @@
 #include <cstring>
 #include <string>
 #include <thread>
-#include <tuple>
 #include <utility>
 #include <vector>
+
+// Message pieces of torch types; declared before kvc_result.h so that kvc::cat finds them.
+namespace kvc {
+inline std::string piece(const c10::Device& v) { return v.str(); }
+inline std::string piece(c10::ScalarType v) { return c10::toString(v); }
+inline std::string piece(c10::IntArrayRef v) {
+  std::string out = "[";
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+  return out + "]";
+}
+}  // namespace kvc
+
+#include "kvc_result.h"
+
+// fs_io.cpp: the fs tier's batch store/load ops.
+void kvcascade_register_fs_io(pybind11::module_& m);
 
 #ifdef KVCASCADE_WITH_CUDA
 // Same definition as in the CUDA runtime headers; declared here to keep this file free of them.
@@ -41,38 +55,11 @@ extern "C" const char* kvcascade_cuda_error_string(int code);
 
 namespace {
 
-// What every op returns: bytes copied (or enqueued), error kind, message ("" when kOk).
-using OpResult = std::tuple<int64_t, int64_t, std::string>;
-constexpr int64_t kOk = 0;
-constexpr int64_t kBadValue = 1;   // raised as ValueError
-constexpr int64_t kCudaError = 2;  // raised as RuntimeError
-
-std::string piece(const char* v) { return v; }
-std::string piece(const std::string& v) { return v; }
-std::string piece(int64_t v) { return std::to_string(v); }
-std::string piece(uint64_t v) { return std::to_string(v); }
-std::string piece(int v) { return std::to_string(v); }
-std::string piece(const c10::Device& v) { return v.str(); }
-std::string piece(c10::ScalarType v) { return c10::toString(v); }
-std::string piece(c10::IntArrayRef v) {
-  std::string out = "[";
-  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
-  return out + "]";
-}
-
-// The message made of all arguments, without iostreams (see the note at the top of this file).
-template <typename... Args>
-std::string cat(const Args&... args) {
-  std::string out;
-  ((out += piece(args)), ...);
-  return out;
-}
-
-// Returns "" when the first condition holds, else the message made of the rest.
-#define KVC_REQUIRE(cond, ...)            \
-  do {                                    \
-    if (!(cond)) return cat(__VA_ARGS__); \
-  } while (0)
+using kvc::cat;
+using kvc::kBadValue;
+using kvc::kCudaError;
+using kvc::kOk;
+using kvc::OpResult;
 
 constexpr int64_t kParallelBytes = int64_t{4} << 20;   // split the batch above 4 MiB
 constexpr int64_t kBytesPerThread = int64_t{2} << 20;  // at least 2 MiB per thread
@@ -227,4 +214,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("stream"), pybind11::arg("src_access_any") = false);
 #endif
   m.def("has_cuda", &has_cuda, "Whether the CUDA implementation was compiled in");
+  kvcascade_register_fs_io(m);
 }

@@ -1,6 +1,10 @@
 """The fs tier (issue #5): vLLM's FileMapper and fs-tier scenarios (spec §9.6, §9.11) plus
 capacity, integrity, restart reuse, deadlines and real faults (kill -9, ENOSPC, a stalled FIFO,
 concurrent writers), all on real files through the tier's public API.
+
+Every test runs twice (the autouse ``io_path`` fixture): with blocks moved in pure Python, and
+with the compiled batch helpers of ``kernels/fs_io.cpp`` (skipped if the extension cannot be
+built).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import errno
 import hashlib
 import json
 import os
+import random
 import signal
 import stat
 import subprocess
@@ -27,6 +32,8 @@ from tier_helpers import BLOCK, job, key, load, lookups, pattern, running, store
 
 import kvcascade as kc
 from kvcascade import LookupResult as R
+from kvcascade.ops import _build
+from kvcascade.tiers import fs
 from kvcascade.tiers._file_mapper import FORMAT_VERSION, FileMapper, default_identity
 from kvcascade.tiers.fs import (
     HEADER_BYTES,
@@ -37,6 +44,23 @@ from kvcascade.tiers.fs import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def compiled_extension() -> Any:
+    """The kernel extension with the fs helpers (built now if needed), or skip the test."""
+    ext = _build.load_extension()
+    if ext is None or not hasattr(ext, "fs_store_open"):
+        pytest.skip(f"kernel extension not built: {_build.extension_error()}")
+    return ext
+
+
+@pytest.fixture(autouse=True, params=["python", "compiled"])
+def io_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which mover the tiers of a test use: pure Python (the extension "not ready yet") or the
+    compiled batch helpers."""
+    ext = compiled_extension() if request.param == "compiled" else None
+    monkeypatch.setattr(_build, "extension_if_ready", lambda: ext)
+    return str(request.param)
 
 
 def mapper(**fields: Any) -> FileMapper:
@@ -343,26 +367,25 @@ async def test_batched_load_keeps_blocks_before_the_corrupt_one(
         assert [tier.lookup(k, ctx) for k in keys] == [R.HIT] * done + [R.MISS] * (3 - done)
 
 
-async def test_transient_load_failure_leaves_file(
-    tmp_path: Path, host: kc.HostBuffer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """§9.11 215: an open failing with ELOOP fails the job but leaves the file intact."""
+async def test_transient_load_failure_leaves_file(tmp_path: Path, host: kc.HostBuffer) -> None:
+    """§9.11 215: an open failing with ELOOP (the file's directory briefly replaced by a symlink
+    loop) fails the job but leaves the file intact."""
     tier = make_tier(tmp_path, host)
     async with running(tier):
         assert (await store(tier, host, [1])).success
         path = tmp_path / tier.mapper.relative_path(key(1))
         before = path.read_bytes()
-        real_open = os.open
-
-        def failing_open(p: Any, *args: Any, **kw: Any) -> int:
-            if str(p) == str(path):
-                raise OSError(errno.ELOOP, "too many symbolic links", str(p))
-            return real_open(p, *args, **kw)
-
-        monkeypatch.setattr(os, "open", failing_open)
-        assert not (await load(tier, [1], [3])).success
-        monkeypatch.undo()
+        leaf = path.parent
+        away = leaf.rename(leaf.with_name(leaf.name + ".away"))
+        leaf.symlink_to(leaf.name)  # a link to itself: ELOOP
+        try:
+            result = await load(tier, [1], [3])
+        finally:
+            leaf.unlink()
+            away.rename(leaf)
+        assert not result.success and f"[Errno {errno.ELOOP}]" in result.error
         assert path.read_bytes() == before and tier.counters["corrupt_blocks"] == 0
+        assert (await load(tier, [1], [3])).success and bytes(host.row(3)) == pattern(1)
 
 
 async def test_failed_store_emits_no_event(tmp_path: Path, host: kc.HostBuffer) -> None:
@@ -644,6 +667,7 @@ _WRITER = textwrap.dedent("""
     import numpy as np
     import kvcascade as kc
     from kvcascade.tiers._file_mapper import FileMapper, default_identity
+    from kvcascade.ops import _build
     from kvcascade.tiers.fs import FileSystemTier
 
     def key(i):
@@ -651,7 +675,11 @@ _WRITER = textwrap.dedent("""
 
     async def main():
         host = kc.HostBuffer(10, {block})
-        tier = FileSystemTier(host, sys.argv[1], FileMapper(default_identity()), io_threads=4)
+        compiled = sys.argv[2] == "compiled"
+        assert not compiled or _build.load_extension() is not None
+        tier = FileSystemTier(
+            host, sys.argv[1], FileMapper(default_identity()), io_threads=4, compiled_io=compiled
+        )
         async with asyncio.TaskGroup() as group:
             started = asyncio.Event()
             group.create_task(tier.run(started.set))
@@ -668,12 +696,12 @@ _WRITER = textwrap.dedent("""
 """)
 
 
-async def test_kill_9_while_writing_1000_blocks(tmp_path: Path) -> None:
+async def test_kill_9_while_writing_1000_blocks(tmp_path: Path, io_path: str) -> None:
     """Issue #5 tests: SIGKILL a process in the middle of writing 1,000 blocks; a fresh tier on
     the directory removes the temp files, and every hit loads exactly the stored bytes."""
-    block = 256 * 1024
+    block = 256 * 1024 + 4096  # two pieces on the compiled path's fused I/O
     proc = subprocess.Popen(
-        [sys.executable, "-c", _WRITER.format(block=block), str(tmp_path)],
+        [sys.executable, "-c", _WRITER.format(block=block), str(tmp_path), io_path],
         stdout=subprocess.PIPE,
         text=True,
         cwd=REPO,
@@ -781,3 +809,174 @@ async def test_concurrent_writers_of_the_same_keys(tmp_path: Path) -> None:
             h.close()
     assert len(files(tmp_path, ".bin")) == 8 and files(tmp_path, ".tmp") == []
     assert seen
+
+
+# -- the compiled batch helpers (kernels/fs_io.cpp) --------------------------------------------
+BIG = 2 * 256 * 1024 + 5000  # above the 256 KiB pieces of fused I/O, with a partial last piece
+
+
+@pytest.mark.parametrize("block", [BLOCK, BIG])
+@pytest.mark.parametrize("o_direct", [True, False])
+async def test_both_movers_write_identical_files_and_read_each_others(
+    tmp_path: Path, io_path: str, block: int, o_direct: bool
+) -> None:
+    """The compiled helpers and the pure-Python mover write byte-identical block files (header,
+    checksums, padding) and each loads the other's; buffered I/O takes the compiled path's
+    piecewise, fused reads and writes (O_DIRECT on a device does not)."""
+    if io_path != "compiled":
+        pytest.skip("compares both movers itself")
+    host = kc.HostBuffer(8, block)
+    try:
+        py = make_tier(tmp_path / "py", host, o_direct=o_direct, compiled_io=False)
+        cc = make_tier(tmp_path / "cc", host, o_direct=o_direct)
+        ids = [1, 2, 3]
+        async with running(py, cc):
+            for tier in (py, cc):
+                assert (await store(tier, host, ids)).success
+            assert cc._fused is (not cc.o_direct or fs_type(tmp_path) == 0x01021994)
+            for i in ids:
+                rel = py.mapper.relative_path(key(i))
+                assert (tmp_path / "py" / rel).read_bytes() == (tmp_path / "cc" / rel).read_bytes()
+        readers = [
+            make_tier(tmp_path / "cc", host, o_direct=o_direct, compiled_io=False),
+            make_tier(tmp_path / "py", host, o_direct=o_direct),
+        ]
+        async with running(*readers):
+            for tier in readers:
+                host.tensor().zero_()
+                assert (await load(tier, ids, [5, 6, 7])).success
+                assert [bytes(host.row(s)) for s in (5, 6, 7)] == [pattern(i, block) for i in ids]
+    finally:
+        host.close()
+
+
+def fs_type(path: Path) -> int:
+    magic, kind, message = compiled_extension().fs_type(str(path))
+    assert kind == 0, message
+    return int(magic)
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        ("truncate", "short file"),
+        ("flip_last_piece", "checksum mismatch"),
+        ("version", f"not a kvcascade v{FORMAT_VERSION} block file"),
+        ("length", f"payload is {BIG + 1} bytes, expected {BIG}"),
+        ("other_key", "holds another key's block"),
+    ],
+)
+@pytest.mark.parametrize("o_direct", [True, False])
+async def test_corrupt_big_block_each_check(
+    tmp_path: Path, damage: str, expected: str, o_direct: bool
+) -> None:
+    """Every integrity check, on a block of several I/O pieces: the load fails as corrupt with
+    the same words on both movers, the file is deleted and counted, the earlier block loaded."""
+    host = kc.HostBuffer(4, BIG)
+    try:
+        tier = make_tier(tmp_path, host, o_direct=o_direct)
+        async with running(tier):
+            assert (await store(tier, host, [1, 2])).success
+            path = tmp_path / tier.mapper.relative_path(key(2))
+            data = bytearray(path.read_bytes())
+            if damage == "truncate":
+                data = data[: HEADER_BYTES + 300 * 1024]
+            elif damage == "flip_last_piece":
+                data[HEADER_BYTES + BIG - 1] ^= 0x80
+            elif damage == "version":
+                data[4] += 1
+            elif damage == "length":
+                data[8:16] = (BIG + 1).to_bytes(8, "little")
+            else:
+                data = bytearray((tmp_path / tier.mapper.relative_path(key(1))).read_bytes())
+            path.write_bytes(data)
+            result = await load(tier, [1, 2], [2, 3])
+            assert not result.success and expected in result.error and str(path) in result.error
+            assert result.successful_keys == [key(1)] and bytes(host.row(2)) == pattern(1, BIG)
+            assert not path.exists() and tier.counters["corrupt_blocks"] == 1
+    finally:
+        host.close()
+
+
+async def test_jobs_longer_than_one_compiled_batch(tmp_path: Path) -> None:
+    """Jobs of more blocks than one compiled call takes (fs.COMPILED_BATCH) keep the batch
+    semantics across calls: the failing block's index and the keys before it are the job's."""
+    n = fs.COMPILED_BATCH + 6
+    host = kc.HostBuffer(2 * n, 4096)
+    try:
+        tier = make_tier(tmp_path, host)
+        async with running(tier):
+            assert (await store(tier, host, list(range(n)))).success
+            bad = fs.COMPILED_BATCH + 2
+            Path(tier.path_of(key(bad))).unlink()
+            result = await load(tier, list(range(n)), list(range(n, 2 * n)))
+            assert not result.success and f"block {bad} failed" in result.error
+            assert result.successful_keys == [key(i) for i in range(bad)]
+            assert [bytes(host.row(n + i)) for i in range(bad)] == [
+                pattern(i, 4096) for i in range(bad)
+            ]
+            # A store job failing in its second call: a plain file squats on a block's directory.
+            ids = list(range(1000, 1000 + n))
+            squat = Path(tier.path_of(key(ids[bad]))).parent
+            squat.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            squat.write_bytes(b"")
+            result = await store(tier, host, ids)
+            assert not result.success and f"fs store of block {bad} failed" in result.error
+            assert result.successful_keys == [key(i) for i in ids[:bad]]
+            assert [Path(tier.path_of(key(i))).exists() for i in ids] == [True] * bad + [False] * (
+                n - bad
+            )
+            assert files(tmp_path, ".tmp") == []
+    finally:
+        host.close()
+
+
+async def test_compiled_ops_return_errors_instead_of_raising(tmp_path: Path, io_path: str) -> None:
+    """The raw fs ops report bad arguments and failed system calls as (values, kind, message),
+    never as a C++ exception (which killed the interpreter on the H200 image); their xxh3 is
+    the xxhash package's."""
+    if io_path != "compiled":
+        pytest.skip("calls the compiled ops")
+    import xxhash
+
+    ext = compiled_extension()
+    for n in (0, 1, 16, 17, 128, 129, 240, 241, 1000, 300_000):
+        data = random.Random(n).randbytes(n)
+        assert ext.fs_xxh3(data) == xxhash.xxh3_64_intdigest(data)
+    m = mapper()
+    keys = [
+        key(1),
+        key(2, 7),
+        kc.make_offload_key(b"\x0f", 2**32 - 1),
+        kc.make_offload_key(b"ab", 0),
+    ]
+    prefix = f"{tmp_path}/{m.namespace}/"
+    assert ext.fs_block_paths(prefix, keys) == (
+        [f"{tmp_path}/{m.relative_path(k)}" for k in keys],
+        0,
+        "",
+    )
+    assert ext.fs_block_paths(prefix, [b"\x00" * 4]) == (
+        [],
+        1,
+        "fs_block_paths: keys[0] is too short (4 bytes)",
+    )
+    missing = f"{prefix}{m.relative_path(key(1)).split('/', 1)[1]}"
+    assert ext.fs_load_open(prefix, [key(1)], 0) == ([errno.ENOENT], 3, f"open:{missing}")
+    assert ext.fs_store_write([3], [b"k"], [], 4096, 4096, 2, True) == (
+        [],
+        1,
+        "fs_store_write: lengths differ: fds 1, keys 1, addrs 0",
+    )
+    assert ext.fs_load_read([-1], [b"k"], [4096], 4096, 4096, 2, True) == (
+        [],
+        1,
+        "fs_load_read: fds[0] is negative",
+    )
+    assert ext.fs_store_write([], [], [], 4096, 100, 2, True)[1:] == (
+        1,
+        "fs_store_write: span_bytes must be a multiple of 4096 >= payload_bytes (4096), got 100",
+    )
+    top = Path(missing).parent.parent
+    assert ext.fs_store_open(prefix, [key(1)], "_x.tmp", 0) == ([errno.ENOENT], 3, f"mkdir:{top}")
+    assert ext.fs_store_abort([ext.FS_EXISTS], prefix, [key(1)], ".tmp") == ([0], 0, "")

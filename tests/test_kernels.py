@@ -104,6 +104,7 @@ def test_kernel_sources_found() -> None:
     d = _build.kernels_dir()
     assert d is not None
     assert (d / "swap_blocks.cpp").is_file()
+    assert (d / "fs_io.cpp").is_file() and (d / "kvc_result.h").is_file()
     assert (d / "swap_blocks_cuda.cu").is_file()
     assert (d / "triton_swap.py").is_file()
 

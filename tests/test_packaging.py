@@ -42,6 +42,10 @@ def test_wheel_contents(wheel: Path) -> None:
         "kvcascade/data/mooncake_conversation_trace.jsonl",
         "kvcascade/data/NOTICE.md",
         "kvcascade/_kernels/swap_blocks.cpp",
+        "kvcascade/_kernels/fs_io.cpp",
+        "kvcascade/_kernels/kvc_result.h",
+        "kvcascade/_kernels/third_party/xxhash/xxhash.h",
+        "kvcascade/_kernels/third_party/xxhash/LICENSE",
         "kvcascade/_kernels/swap_blocks_cuda.cu",
         "kvcascade/_kernels/triton_swap.py",
     ):

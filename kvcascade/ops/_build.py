@@ -31,6 +31,7 @@ import torch
 log = logging.getLogger("kvcascade.ops")
 
 CPP_SOURCE = "swap_blocks.cpp"
+FS_IO_SOURCE = "fs_io.cpp"
 CUDA_SOURCE = "swap_blocks_cuda.cu"
 TRITON_SOURCE = "triton_swap.py"
 
@@ -70,10 +71,17 @@ def build_dir(name: str) -> Path:
     return path
 
 
-def _extension_name(sources: list[Path], with_cuda: bool) -> str:
+def _hashed_files(src_dir: Path, sources: list[Path]) -> list[Path]:
+    """The sources plus every header and included C file under ``src_dir`` (vendored code too),
+    so that a change to any of them gives a new build name."""
+    included = [p for p in sorted(src_dir.rglob("*")) if p.suffix in (".h", ".c") and p.is_file()]
+    return sources + [p for p in included if p not in sources]
+
+
+def _extension_name(files: list[Path], with_cuda: bool, src_dir: Path) -> str:
     h = hashlib.sha256()
-    for src in sources:
-        h.update(src.name.encode())
+    for src in files:
+        h.update(src.relative_to(src_dir).as_posix().encode())
         h.update(src.read_bytes())
     h.update(f"{torch.__version__}|{sys.version_info[:2]}|{with_cuda}".encode())
     return f"kvcascade_swap_{h.hexdigest()[:12]}"
@@ -97,8 +105,9 @@ def _build() -> ModuleType:
     if src_dir is None:
         raise FileNotFoundError("kernel sources not found (kvcascade/_kernels or <repo>/kernels)")
     with_cuda = cuda_wanted()
-    sources = [src_dir / CPP_SOURCE] + ([src_dir / CUDA_SOURCE] if with_cuda else [])
-    name = _extension_name(sources, with_cuda)
+    sources = [src_dir / CPP_SOURCE, src_dir / FS_IO_SOURCE]
+    sources += [src_dir / CUDA_SOURCE] if with_cuda else []
+    name = _extension_name(_hashed_files(src_dir, sources), with_cuda, src_dir)
     cflags = ["-O3", "-std=c++17", "-pthread"] + (["-DKVCASCADE_WITH_CUDA"] if with_cuda else [])
     directory = build_dir(name)
     with (

@@ -26,6 +26,15 @@ key or checksum mismatch deletes the file, counts ``counters["corrupt_blocks"]``
 block, so the caller recomputes. Other errors (missing file, EIO, …) fail the block and leave the
 file alone. Batches stop at the first failing block and report the blocks before it as done.
 
+Compiled path: once the kernel extension is loaded (:func:`compiled_fs_io`, built in the
+background on first use), each job runs through ``kernels/fs_io.cpp`` a batch of up to
+:data:`COMPILED_BATCH` blocks per call with the GIL released: stores as open (existence check,
+temp file) → write (checksum, header, payload; the only call inside the row-access window) →
+commit (close, rename); loads as open → read + verify. Where a read or write is a CPU copy
+(buffered I/O or tmpfs), blocks above 256 KiB move in 256 KiB pieces, each hashed while it is in
+the CPU cache. Same files, same checks, same failure outcomes as the pure-Python path, which runs
+while the extension builds, if it cannot build, or with ``compiled_io=False``.
+
 Capacity: with ``max_bytes`` the tier keeps an LRU index of its files (access recorded on load,
 on a store of a key already present, and on :meth:`FileSystemTier.touch`); a store that would
 exceed ``max_bytes`` first deletes the least recently used files (``counters["evictions"]``,
@@ -57,6 +66,7 @@ import threading
 import time
 from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import xxhash
@@ -64,6 +74,8 @@ import xxhash
 from .._errors import ConfigError, CorruptBlockError, TransferError
 from .._keys import make_offload_key
 from .._types import OffloadingEvent
+from ..ops import _build
+from ..ops.swap import _checked
 from ._file_mapper import FORMAT_VERSION, FileMapper
 from .base import SecondaryTier
 from .cpu import PAGE_SIZE, HostBuffer, round_up
@@ -77,6 +89,11 @@ HEADER_BYTES = ALIGN
 _HEADER = struct.Struct("<4sHHQQQ")
 _MAGIC = b"KVCB"
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+_TMPFS_MAGIC = 0x01021994
+"""``statfs`` ``f_type`` of tmpfs: O_DIRECT there is still a CPU copy, so I/O is fused."""
+COMPILED_BATCH = 64
+"""Blocks per call of the compiled helpers (bounds the files one job holds open at once)."""
+_OS_ERROR, _CORRUPT = 3, 4  # error kinds of the fs ops (kernels/kvc_result.h)
 
 if PAGE_SIZE % ALIGN:
     raise ImportError(f"page size {PAGE_SIZE} is not a multiple of {ALIGN}")
@@ -118,6 +135,22 @@ def check_block(key: bytes, header: memoryview | bytes, payload: memoryview, pat
         raise CorruptBlockError(f"{path}: checksum mismatch")
 
 
+def compiled_fs_io() -> ModuleType | None:
+    """The compiled batch I/O helpers (``kernels/fs_io.cpp``) if the kernel extension is loaded.
+
+    Otherwise starts loading it in the background (a build takes about a minute on 2 cores) and
+    returns None at once: the tier then moves blocks in pure Python, in the same file format.
+    """
+    ext = _build.extension_if_ready()
+    return ext if ext is not None and hasattr(ext, "fs_store_open") else None
+
+
+class _Rows(list[memoryview]):
+    """The rows of a job, plus their addresses (for the compiled helpers)."""
+
+    addresses: list[int]
+
+
 def probe_o_direct(directory: str | os.PathLike[str]) -> bool:
     """True when ``directory`` accepts an O_DIRECT write of one aligned page (spec §4.3).
 
@@ -157,6 +190,8 @@ class FileSystemTier(SecondaryTier):
         max_queued_jobs: jobs allowed to wait for a thread; stores beyond it are refused.
         max_bytes: bound on the bytes of block files; None = unbounded.
         o_direct: try O_DIRECT (probed once); False forces buffered I/O.
+        compiled_io: use the compiled batch helpers once the extension is loaded (module
+            docstring); False keeps every job in pure Python.
 
     Raises:
         OSError: ``root_dir`` or the namespace's ``config.json`` cannot be created.
@@ -175,6 +210,7 @@ class FileSystemTier(SecondaryTier):
         max_queued_jobs: int = 1024,
         max_bytes: int | None = None,
         o_direct: bool = True,
+        compiled_io: bool = True,
     ) -> None:
         super().__init__(
             name,
@@ -205,6 +241,14 @@ class FileSystemTier(SecondaryTier):
         self._evicting: set[bytes] = set()
         self._buffers = threading.local()
         self._pid = os.getpid()
+        self._span = round_up(host.block_bytes, ALIGN)
+        self._base = host.tensor().data_ptr()  # address of row 0 (the mmap never moves)
+        self._data_prefix = os.path.join(self._prefix, mapper.namespace, "")
+        # The helpers take str paths (UTF-8); a root that cannot be encoded stays in Python.
+        self.compiled_io = compiled_io and _utf8(self._prefix)
+        self._fused: bool | None = None  # decided on first compiled use (needs fs_type)
+        if self.compiled_io:
+            compiled_fs_io()  # start loading the extension now, not on the first job
 
     def _write_config(self) -> None:
         path = self.root / self.mapper.config_relative_path()
@@ -235,14 +279,16 @@ class FileSystemTier(SecondaryTier):
 
     def _rows(self, block_ids: Iterable[int]) -> list[memoryview]:
         # Whole aligned rows (payload + the row's padding) so that O_DIRECT I/O is aligned.
-        view, stride = self.host.memoryview, self.host.row_bytes
-        span = round_up(self.host.block_bytes, ALIGN)
-        rows = []
+        view, stride, span = self.host.memoryview, self.host.row_bytes, self._span
+        base = self._base
+        rows = _Rows()
+        addresses = rows.addresses = []
         for b in block_ids:
             b = int(b)
             if not 0 <= b < self.host.num_blocks:
                 raise IndexError(f"block_id {b} outside [0, {self.host.num_blocks})")
             rows.append(view[b * stride : b * stride + span])
+            addresses.append(base + b * stride)
         return rows
 
     def _header_buffer(self) -> memoryview:
@@ -383,7 +429,109 @@ class FileSystemTier(SecondaryTier):
                     self._index.move_to_end(key)
 
     # -- blocking movers -------------------------------------------------------------------
+    def _compiled(self, rows: Sequence[memoryview]) -> ModuleType | None:
+        """The compiled helpers for this job, or None (pure Python)."""
+        if not self.compiled_io or not isinstance(rows, _Rows):
+            return None
+        ext = compiled_fs_io()
+        if ext is not None and self._fused is None:
+            self._setup_compiled(ext)
+        return ext if self.compiled_io else None
+
+    def _setup_compiled(self, ext: ModuleType) -> None:
+        """First compiled use: check that the helpers build this mapper's paths, choose fused
+        I/O (buffered, or tmpfs where O_DIRECT is a copy too)."""
+        samples = [make_offload_key(bytes(range(1, 17)), 0), make_offload_key(b"\xab", 70000)]
+        paths, kind, _ = ext.fs_block_paths(self._data_prefix, samples)
+        if kind or paths != [self.path_of(k) for k in samples]:
+            log.warning("fs tier %s: mapper paths differ from the compiled helpers'", self.name)
+            self.compiled_io = False
+        magic, kind, _ = ext.fs_type(str(self.data_dir))
+        self._fused = not self.o_direct or (kind == 0 and magic == _TMPFS_MAGIC)
+
     def _store_blocks(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
+        ext = self._compiled(rows)
+        if ext is None:
+            return self._store_blocks_py(keys, rows)
+        assert isinstance(rows, _Rows)
+        written = 0
+        for lo in range(0, len(keys), COMPILED_BATCH):
+            hi = min(lo + COMPILED_BATCH, len(keys))
+            written += self._store_batch(ext, keys, rows.addresses, lo, hi)
+        return written
+
+    def _store_batch(
+        self, ext: ModuleType, keys: Sequence[bytes], addresses: list[int], lo: int, hi: int
+    ) -> int:
+        """Store blocks ``lo:hi`` of a job with the compiled helpers; payload bytes written.
+
+        Same outcome as :meth:`_store_one` over each block in turn: the blocks before the first
+        failing one are stored and recorded; the failing one and the later ones leave no file
+        and no reservation.
+
+        Raises:
+            TransferError: a block failed (its OSError as the cause; the keys before it
+                succeeded).
+            TimeoutError: the job passed its deadline before its rows were read.
+        """
+        batch = keys[lo:hi]
+        prefix = self._data_prefix
+        suffix = f"_{self._pid}_{random.getrandbits(63)}.tmp"
+        exists = ext.FS_EXISTS
+        size = HEADER_BYTES + self._span
+        fds, kind, message = ext.fs_store_open(prefix, batch, suffix, self._flags)
+        failure = _failure(fds, kind, message)
+        reserved = len(fds)  # blocks [0, reserved) exist or hold a reservation
+        if self._index is not None:
+            for j, fd in enumerate(fds):
+                if fd == exists:
+                    self._record(batch[j], self.block_file_bytes, reserved=False)
+                elif not self._evict_and_reserve(size):
+                    failure, reserved = (j, _no_room(size)), j
+                    break
+        committed = handled = 0  # blocks stored / blocks whose temp file is dealt with
+        try:
+            with self._row_access():
+                done, kind, message = ext.fs_store_write(
+                    fds[:reserved],
+                    batch[:reserved],
+                    addresses[lo : lo + reserved],
+                    self.host.block_bytes,
+                    self._span,
+                    FORMAT_VERSION,
+                    self._fused,
+                )
+            failure = _failure(done, kind, message) or failure
+            n = len(done)
+            done, kind, message = ext.fs_store_commit(fds[:n], prefix, batch[:n], suffix)
+            handled = len(done)  # on a failure the failing block's temp file is gone too
+            failure = _failure(done, kind, message) or failure
+            committed = len(done)
+        finally:
+            rest = [fd if j >= handled else exists for j, fd in enumerate(fds)]
+            if any(fd != exists for fd in rest):
+                errors, _, _ = ext.fs_store_abort(rest, prefix, batch, suffix)
+                for key, err in zip(batch, errors, strict=True):
+                    if err:
+                        tmp = self.path_of(key) + suffix
+                        log.warning("fs tier: could not delete %s: %s", tmp, os.strerror(err))
+            if self._index is not None:
+                for j in range(committed, reserved):
+                    if fds[j] != exists:
+                        self._unreserve(size)
+        written = 0
+        for j in range(committed):
+            if fds[j] != exists:
+                self._record(batch[j], size, reserved=True)
+                written += self.host.block_bytes
+        if failure is not None:
+            i, exc = failure
+            raise TransferError(
+                f"fs store of block {lo + i} failed: {exc}", keys[: lo + i]
+            ) from exc
+        return written
+
+    def _store_blocks_py(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
         written = 0
         for i, (key, row) in enumerate(zip(keys, rows, strict=True)):
             try:
@@ -399,7 +547,7 @@ class FileSystemTier(SecondaryTier):
             return 0
         size = HEADER_BYTES + len(row)
         if not self._evict_and_reserve(size):
-            raise OSError(errno.ENOSPC, f"block file of {size} bytes does not fit in max_bytes")
+            raise _no_room(size)
         payload = row[: self.host.block_bytes]
         header = self._header_buffer()
         tmp = f"{path}_{self._pid}_{random.getrandbits(63)}.tmp"
@@ -437,6 +585,90 @@ class FileSystemTier(SecondaryTier):
         return len(payload)
 
     def _load_blocks(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
+        ext = self._compiled(rows)
+        if ext is None:
+            return self._load_blocks_py(keys, rows)
+        assert isinstance(rows, _Rows)
+        read = 0
+        for lo in range(0, len(keys), COMPILED_BATCH):
+            hi = min(lo + COMPILED_BATCH, len(keys))
+            read += self._load_batch(ext, keys, rows.addresses, lo, hi)
+        return read
+
+    def _load_batch(
+        self, ext: ModuleType, keys: Sequence[bytes], addresses: list[int], lo: int, hi: int
+    ) -> int:
+        """Load blocks ``lo:hi`` of a job with the compiled helpers; payload bytes read.
+
+        Same outcome as :meth:`_load_one` over each block in turn. Every file is opened before
+        any row is written, so a stalled open never writes into rows released meanwhile.
+
+        Raises:
+            TransferError: a block failed (cause: its OSError, or a CorruptBlockError after the
+                file was deleted); the keys before it succeeded.
+            TimeoutError: the job passed its deadline before its rows were written.
+        """
+        batch = keys[lo:hi]
+        failure: tuple[int, Exception] | None = None
+        limit = len(batch)  # blocks [0, limit) are read
+        if self._index is not None:  # readers matter only when files can be evicted
+            with self._lock:
+                for j, key in enumerate(batch):
+                    if key in self._evicting:
+                        path = self.path_of(key)
+                        failure = (j, FileNotFoundError(errno.ENOENT, "evicted", path))
+                        limit = j
+                        break
+                    self._readers[key] += 1
+        tracked = limit if self._index is not None else 0
+        try:
+            fds, kind, message = ext.fs_load_open(self._data_prefix, batch[:limit], self._flags)
+            failure = _failure(fds, kind, message) or failure
+            try:
+                # The opens may block (a FIFO, a hung NFS): until here the rows are untouched.
+                with self._row_access():
+                    opened, fds = fds, []  # fs_load_read closes them, whatever happens
+                    done, kind, message = ext.fs_load_read(
+                        opened,
+                        batch[: len(opened)],
+                        addresses[lo : lo + len(opened)],
+                        self.host.block_bytes,
+                        self._span,
+                        FORMAT_VERSION,
+                        self._fused,
+                    )
+            finally:
+                for fd in fds:  # not handed over (the job passed its deadline)
+                    os.close(fd)
+            if kind == _CORRUPT:
+                done.pop()
+                path = self.path_of(batch[len(done)])
+                failure = (len(done), CorruptBlockError(f"{path}: {message}"))
+            else:
+                failure = _failure(done, kind, message) or failure
+        finally:
+            if tracked:
+                with self._lock:
+                    for key in batch[:tracked]:
+                        self._readers[key] -= 1
+                        if not self._readers[key]:
+                            del self._readers[key]
+        if self._index is not None:
+            for key in batch[: len(done)]:
+                self._record(key, HEADER_BYTES + self._span, reserved=False)
+        if failure is None:
+            return len(done) * self.host.block_bytes
+        i, exc = failure
+        if isinstance(exc, CorruptBlockError):
+            with self._lock:
+                self.counters["corrupt_blocks"] += 1
+            log.warning("fs tier: %s; file deleted, block treated as a miss", exc)
+            _unlink_quietly(self.path_of(batch[i]))
+            self._forget(batch[i])
+            raise TransferError(str(exc), keys[: lo + i]) from exc
+        raise TransferError(f"fs load of block {lo + i} failed: {exc}", keys[: lo + i]) from exc
+
+    def _load_blocks_py(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
         read = 0
         for i, (key, row) in enumerate(zip(keys, rows, strict=True)):
             path = self.path_of(key)
@@ -487,6 +719,37 @@ class FileSystemTier(SecondaryTier):
 
     def _probe(self, keys: Sequence[bytes]) -> list[bool]:
         return [os.path.isfile(self.path_of(k)) for k in keys]
+
+
+def _failure(values: list[int], kind: int, message: str) -> tuple[int, OSError] | None:
+    """The failing block of a compiled fs op's ``(values, kind, message)`` and its OSError
+    (None when it succeeded); pops the failing block's errno off ``values``.
+
+    Raises:
+        ValueError: the op refused its arguments (kind 1); RuntimeError for another kind.
+    """
+    if not kind:
+        return None
+    if kind != _OS_ERROR:
+        _checked((0, kind, message))
+        raise RuntimeError(f"fs op failed (error kind {kind}): {message}")
+    err = values.pop()
+    _call, _, filename = message.partition(":")
+    if filename:
+        return len(values), OSError(err, os.strerror(err), filename)
+    return len(values), OSError(err, os.strerror(err))
+
+
+def _no_room(size: int) -> OSError:
+    return OSError(errno.ENOSPC, f"block file of {size} bytes does not fit in max_bytes")
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _make_dirs(leaf: str) -> None:

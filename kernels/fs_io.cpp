@@ -1,0 +1,569 @@
+// kvcascade fs tier batch I/O: a whole store or load job of block files per call, GIL released.
+//
+// The file format is kvcascade.tiers.fs's (v2): a 4096-byte header whose first 32 bytes are,
+// little-endian, magic "KVCB" | version u16 | flags u16 (0) | payload length u64 |
+// xxh3-64(payload) u64 | xxh3-64(offload key) u64, the rest zero; then the payload and the primary
+// row's padding up to a multiple of 4096 bytes (the "span"). kvcascade/tiers/fs.py writes and
+// reads the same bytes in pure Python; the two paths are interchangeable.
+//
+// A store job is three calls, so that only the one reading the primary rows runs inside the tier's
+// row-access window (kvcascade.tiers.base.SecondaryTier._row_access) and a stall in open or rename
+// never holds rows:
+//   fs_store_open    per block: the file exists -> kExists (nothing to write); else open
+//                    <path><suffix> O_CREAT|O_EXCL 0600 (creating the two parent directories 0700
+//                    on ENOENT) -> its fd
+// where <path> = <prefix><hhh>/<hh>_g<group>/<hex>.bin is built here from the offload key
+// (block_path: kvcascade.tiers._file_mapper.FileMapper.relative_path after the namespace; the tier
+// checks the two agree before it uses this path).
+//   fs_store_write   per opened block: xxh3 of the payload, header, write header + span
+//   fs_store_commit  per opened block: close, rename the temp file onto <path>
+//   fs_store_abort   close and unlink temp files (error paths)
+// A load job is two calls: fs_load_open (open every file) then fs_load_read (read header + span
+// straight into the row, verify; closes every fd it is given).
+//
+// "Fused" I/O, for filesystems where a read or write is a CPU copy (buffered I/O, tmpfs): a span
+// above kChunkBytes moves in kChunkBytes pieces and each piece is hashed right after it was read
+// (or right before it is written) while it is in the CPU cache, so the checksum costs no second
+// pass over the block in DRAM; the header goes last on stores. Without it (O_DIRECT on a device:
+// DMA, no CPU copy) each block is one vectored write or read and one hash pass. A span of at most
+// kChunkBytes is always one vectored call, hashed right before the write or after the read.
+//
+// Every batch op returns (values, error kind, message) and never throws (kvc_result.h). values has
+// one entry per block done; on an error it has one more, for the failing block (so the failing
+// index is values.size() - 1): its errno for kOsError (message "<call>:<file>"), 0 for kCorrupt
+// (message: what is wrong). Batches stop at the first failing block.
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kvc_result.h"
+
+#define XXH_STATIC_LINKING_ONLY
+#if defined(__x86_64__) || defined(__i386__)
+// Runtime dispatch to the SSE2 / AVX2 / AVX-512 xxh3 kernels (as the xxhash Python package does);
+// it includes xxhash.h with XXH_INLINE_ALL.
+#include "third_party/xxhash/xxh_x86dispatch.c"
+#define KVC_XXH3 XXH3_64bits_dispatch
+#define KVC_XXH3_UPDATE XXH3_64bits_update_dispatch
+#else
+#define XXH_INLINE_ALL
+#include "third_party/xxhash/xxhash.h"
+#define KVC_XXH3 XXH3_64bits
+#define KVC_XXH3_UPDATE XXH3_64bits_update
+#endif
+
+namespace {
+
+using kvc::cat;
+using kvc::kBadValue;
+using kvc::kCorrupt;
+using kvc::kOk;
+using kvc::kOsError;
+
+using Values = std::vector<int64_t>;
+using BatchResult = kvc::Result<Values>;
+
+constexpr size_t kAlign = 4096;
+constexpr size_t kHeaderBytes = 4096;
+constexpr size_t kFieldBytes = 32;
+constexpr size_t kChunkBytes = size_t{256} << 10;
+constexpr char kMagic[4] = {'K', 'V', 'C', 'B'};
+constexpr int64_t kExists = -1;  // fs_store_open: the block file exists, nothing to write
+
+BatchResult os_failure(Values values, int err, const char* call, const std::string& file) {
+  values.push_back(err);
+  return {std::move(values), kOsError, cat(call, ":", file)};
+}
+
+BatchResult corrupt(Values values, std::string why) {
+  values.push_back(0);
+  return {std::move(values), kCorrupt, std::move(why)};
+}
+
+// This thread's zeroed, page-aligned header page (O_DIRECT wants aligned memory); allocated on
+// first use, freed when the thread exits; nullptr if the allocation failed.
+unsigned char* header_page() {
+  struct Page {
+    unsigned char* data = nullptr;
+    Page() {
+      void* p = nullptr;
+      if (posix_memalign(&p, kAlign, kHeaderBytes) == 0) data = static_cast<unsigned char*>(p);
+    }
+    ~Page() { free(data); }
+  };
+  thread_local Page page;
+  if (page.data != nullptr) std::memset(page.data, 0, kHeaderBytes);
+  return page.data;
+}
+
+// Little-endian field access (every supported target is little-endian).
+template <typename T>
+void put(unsigned char* at, T v) {
+  std::memcpy(at, &v, sizeof(T));
+}
+template <typename T>
+T get(const unsigned char* at) {
+  T v;
+  std::memcpy(&v, at, sizeof(T));
+  return v;
+}
+
+void encode_header(unsigned char* h, int64_t version, uint64_t length, uint64_t digest,
+                   uint64_t key_digest) {
+  std::memcpy(h, kMagic, 4);
+  put<uint16_t>(h + 4, static_cast<uint16_t>(version));
+  put<uint16_t>(h + 6, 0);
+  put<uint64_t>(h + 8, length);
+  put<uint64_t>(h + 16, digest);
+  put<uint64_t>(h + 24, key_digest);
+}
+
+uint64_t xxh3(const void* p, size_t n) { return KVC_XXH3(p, n); }
+
+// Streaming xxh3-64 (same digest as one call over the concatenation).
+struct Hasher {
+  XXH3_state_t state;
+  Hasher() { XXH3_64bits_reset(&state); }
+  void update(const void* p, size_t n) { KVC_XXH3_UPDATE(&state, p, n); }
+  uint64_t digest() { return XXH3_64bits_digest(&state); }
+};
+
+unsigned char* row_of(int64_t addr) { return reinterpret_cast<unsigned char*>(addr); }
+
+// Writes all of iov[0..cnt) at `offset`; a short write is continued so that the real error (e.g.
+// ENOSPC) shows. Returns 0 or an errno.
+int write_all(int fd, struct iovec* iov, int cnt, off_t offset) {
+  while (cnt > 0) {
+    const ssize_t n = pwritev(fd, iov, cnt, offset);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (n == 0) return EIO;
+    offset += n;
+    size_t left = static_cast<size_t>(n);
+    while (cnt > 0 && left >= iov->iov_len) {
+      left -= iov->iov_len;
+      ++iov;
+      --cnt;
+    }
+    if (cnt > 0) {
+      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
+      iov->iov_len -= left;
+    }
+  }
+  return 0;
+}
+
+// One vectored read at `offset` (a short count means end of file). Returns bytes read or -errno.
+int64_t read_once(int fd, struct iovec* iov, int cnt, off_t offset) {
+  for (;;) {
+    const ssize_t n = preadv(fd, iov, cnt, offset);
+    if (n >= 0) return n;
+    if (errno != EINTR) return -errno;
+  }
+}
+
+int open_retry(const std::string& path, int flags, mode_t mode) {
+  for (;;) {
+    const int fd = open(path.c_str(), flags, mode);
+    if (fd >= 0 || errno != EINTR) return fd;
+  }
+}
+
+std::string dirname_of(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? std::string(".") : path.substr(0, slash);
+}
+
+// Creates <hhh>/<hh>_g<group> (the two parents of `path`) with mode 0700; an existing one is fine.
+// Returns 0 or the errno of the failing mkdir (its directory in `failed`).
+int make_parents(const std::string& path, std::string& failed) {
+  const std::string leaf = dirname_of(path);
+  for (const std::string& dir : {dirname_of(leaf), leaf}) {
+    if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
+      failed = dir;
+      return errno;
+    }
+  }
+  return 0;
+}
+
+void close_quietly(int64_t fd) {
+  if (fd >= 0) close(static_cast<int>(fd));
+}
+
+constexpr size_t kGroupBytes = 4;  // an offload key is block-hash bytes + group (u32 big-endian)
+
+// "" when every key has block-hash bytes before its group suffix (kvcascade._keys).
+std::string check_keys(const char* op, const std::vector<std::string>& keys) {
+  for (size_t i = 0; i < keys.size(); ++i) {
+    KVC_REQUIRE(keys[i].size() > kGroupBytes, op, ": keys[", static_cast<uint64_t>(i),
+                "] is too short (", static_cast<uint64_t>(keys[i].size()), " bytes)");
+  }
+  return "";
+}
+
+// <prefix><hhh>/<hh>_g<group>/<hex>.bin: FileMapper.relative_path after the namespace, with
+// Python's slice rules (a hash of one byte has no <hh>). `key` passed check_keys.
+std::string block_path(const std::string& prefix, const std::string& key) {
+  static const char digits[] = "0123456789abcdef";
+  const size_t n = key.size() - kGroupBytes;
+  std::string hex(2 * n, '0');
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned char b = static_cast<unsigned char>(key[i]);
+    hex[2 * i] = digits[b >> 4];
+    hex[2 * i + 1] = digits[b & 15];
+  }
+  uint64_t group = 0;
+  for (size_t i = n; i < key.size(); ++i) group = (group << 8) | static_cast<unsigned char>(key[i]);
+  return cat(prefix, hex.substr(0, 3), "/", hex.substr(std::min<size_t>(3, hex.size()), 2), "_g",
+             group, "/", hex, ".bin");
+}
+
+// Validates the per-block arrays of a write or read; "" when fine.
+std::string check_batch(const char* op, size_t n_fds, size_t n_keys, size_t n_addrs,
+                        int64_t payload_bytes, int64_t span_bytes, int64_t version) {
+  KVC_REQUIRE(n_fds == n_keys && n_fds == n_addrs, op, ": lengths differ: fds ",
+              static_cast<uint64_t>(n_fds), ", keys ", static_cast<uint64_t>(n_keys), ", addrs ",
+              static_cast<uint64_t>(n_addrs));
+  KVC_REQUIRE(payload_bytes > 0, op, ": payload_bytes must be > 0, got ", payload_bytes);
+  KVC_REQUIRE(span_bytes >= payload_bytes && span_bytes % static_cast<int64_t>(kAlign) == 0, op,
+              ": span_bytes must be a multiple of 4096 >= payload_bytes (", payload_bytes,
+              "), got ", span_bytes);
+  KVC_REQUIRE(version >= 0 && version <= 0xFFFF, op, ": version must fit in u16, got ", version);
+  return "";
+}
+
+std::string check_addrs(const char* op, const Values& fds, const Values& addrs) {
+  for (size_t i = 0; i < fds.size(); ++i) {
+    KVC_REQUIRE(fds[i] < 0 || addrs[i] != 0, op, ": addrs[", static_cast<uint64_t>(i), "] is null");
+  }
+  return "";
+}
+
+// -- stores ------------------------------------------------------------------------------------
+
+BatchResult fs_store_open(const std::string& prefix, const std::vector<std::string>& keys,
+                          const std::string& suffix, int64_t extra_flags) {
+  std::string error = check_keys("fs_store_open", keys);
+  if (!error.empty()) return {{}, kBadValue, std::move(error)};
+  Values fds;
+  fds.reserve(keys.size() + 1);
+  pybind11::gil_scoped_release no_gil;
+  const int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | static_cast<int>(extra_flags);
+  for (const std::string& key : keys) {
+    const std::string path = block_path(prefix, key);
+    struct stat st;
+    if (stat(path.c_str(), &st) == 0) {  // os.path.exists: a store of a present key is a hit
+      fds.push_back(kExists);
+      continue;
+    }
+    const std::string tmp = path + suffix;
+    int fd = open_retry(tmp, flags, 0600);
+    if (fd < 0 && errno == ENOENT) {  // the first block of its directory
+      std::string dir;
+      const int err = make_parents(path, dir);
+      if (err != 0) return os_failure(std::move(fds), err, "mkdir", dir);
+      fd = open_retry(tmp, flags, 0600);
+    }
+    if (fd < 0) return os_failure(std::move(fds), errno, "open", tmp);
+    fds.push_back(fd);
+  }
+  return {std::move(fds), kOk, ""};
+}
+
+BatchResult fs_store_write(const Values& fds, const std::vector<std::string>& keys,
+                           const Values& addrs, int64_t payload_bytes, int64_t span_bytes,
+                           int64_t version, bool fused) {
+  std::string error = check_batch("fs_store_write", fds.size(), keys.size(), addrs.size(),
+                                  payload_bytes, span_bytes, version);
+  if (error.empty()) error = check_addrs("fs_store_write", fds, addrs);
+  if (!error.empty()) return {{}, kBadValue, std::move(error)};
+  Values done;
+  done.reserve(fds.size() + 1);
+  pybind11::gil_scoped_release no_gil;
+  unsigned char* header = header_page();
+  if (header == nullptr) return os_failure(std::move(done), ENOMEM, "posix_memalign", "");
+  const size_t payload = static_cast<size_t>(payload_bytes);
+  const size_t span = static_cast<size_t>(span_bytes);
+  for (size_t i = 0; i < fds.size(); ++i) {
+    if (fds[i] < 0) {  // kExists
+      done.push_back(0);
+      continue;
+    }
+    const int fd = static_cast<int>(fds[i]);
+    unsigned char* row = row_of(addrs[i]);
+    const uint64_t key_digest = xxh3(keys[i].data(), keys[i].size());
+    int err = 0;
+    if (!fused || span <= kChunkBytes) {
+      encode_header(header, version, payload, xxh3(row, payload), key_digest);
+      struct iovec iov[2] = {{header, kHeaderBytes}, {row, span}};
+      err = write_all(fd, iov, 2, 0);
+    } else {
+      Hasher hasher;
+      for (size_t off = 0; off < span && err == 0; off += kChunkBytes) {
+        const size_t len = std::min(kChunkBytes, span - off);
+        if (off < payload) hasher.update(row + off, std::min(len, payload - off));
+        struct iovec iov[1] = {{row + off, len}};
+        err = write_all(fd, iov, 1, static_cast<off_t>(kHeaderBytes + off));
+      }
+      if (err == 0) {
+        encode_header(header, version, payload, hasher.digest(), key_digest);
+        struct iovec iov[1] = {{header, kHeaderBytes}};
+        err = write_all(fd, iov, 1, 0);
+      }
+    }
+    if (err != 0) return os_failure(std::move(done), err, "write", "");
+    done.push_back(payload_bytes);
+  }
+  return {std::move(done), kOk, ""};
+}
+
+// Closes fds[from..) and unlinks their temp files; returns per block 0 or the unlink errno
+// (ENOENT counts as removed).
+Values abort_from(const Values& fds, const std::string& prefix,
+                  const std::vector<std::string>& keys, const std::string& suffix, size_t from) {
+  Values errs;
+  for (size_t i = from; i < fds.size() && i < keys.size(); ++i) {
+    int err = 0;
+    if (fds[i] >= 0) {
+      close_quietly(fds[i]);
+      const std::string tmp = block_path(prefix, keys[i]) + suffix;
+      if (unlink(tmp.c_str()) != 0 && errno != ENOENT) err = errno;
+    }
+    errs.push_back(err);
+  }
+  return errs;
+}
+
+// "" when fds and keys pair up and every key is well formed.
+std::string check_pairs(const char* op, const Values& fds, const std::vector<std::string>& keys) {
+  KVC_REQUIRE(fds.size() == keys.size(), op, ": lengths differ: fds ",
+              static_cast<uint64_t>(fds.size()), ", keys ", static_cast<uint64_t>(keys.size()));
+  return check_keys(op, keys);
+}
+
+BatchResult fs_store_commit(const Values& fds, const std::string& prefix,
+                            const std::vector<std::string>& keys, const std::string& suffix) {
+  std::string error = check_pairs("fs_store_commit", fds, keys);
+  if (!error.empty()) return {{}, kBadValue, std::move(error)};
+  Values done;
+  done.reserve(fds.size() + 1);
+  pybind11::gil_scoped_release no_gil;
+  for (size_t i = 0; i < fds.size(); ++i) {
+    if (fds[i] < 0) {
+      done.push_back(0);
+      continue;
+    }
+    const std::string path = block_path(prefix, keys[i]);
+    const std::string tmp = path + suffix;
+    const char* call = nullptr;
+    int err = 0;
+    if (close(static_cast<int>(fds[i])) != 0 && errno != EINTR) {  // EINTR: closed anyway
+      call = "close";
+      err = errno;
+    } else if (rename(tmp.c_str(), path.c_str()) != 0) {
+      call = "rename";
+      err = errno;
+    }
+    if (err != 0) {  // the later blocks stay open: the caller aborts them
+      unlink(tmp.c_str());
+      return os_failure(std::move(done), err, call, tmp);
+    }
+    done.push_back(0);
+  }
+  return {std::move(done), kOk, ""};
+}
+
+BatchResult fs_store_abort(const Values& fds, const std::string& prefix,
+                           const std::vector<std::string>& keys, const std::string& suffix) {
+  std::string error = check_pairs("fs_store_abort", fds, keys);
+  if (!error.empty()) return {{}, kBadValue, std::move(error)};
+  pybind11::gil_scoped_release no_gil;
+  return {abort_from(fds, prefix, keys, suffix, 0), kOk, ""};
+}
+
+// -- loads -------------------------------------------------------------------------------------
+
+BatchResult fs_load_open(const std::string& prefix, const std::vector<std::string>& keys,
+                         int64_t extra_flags) {
+  std::string error = check_keys("fs_load_open", keys);
+  if (!error.empty()) return {{}, kBadValue, std::move(error)};
+  Values fds;
+  fds.reserve(keys.size() + 1);
+  pybind11::gil_scoped_release no_gil;
+  const int flags = O_RDONLY | O_CLOEXEC | static_cast<int>(extra_flags);
+  for (const std::string& key : keys) {
+    const std::string path = block_path(prefix, key);
+    const int fd = open_retry(path, flags, 0);
+    if (fd < 0) return os_failure(std::move(fds), errno, "open", path);
+    fds.push_back(fd);
+  }
+  return {std::move(fds), kOk, ""};
+}
+
+// Reads block i (header + span) into `header` and `row`; on success sets `digest` to the xxh3 of
+// the payload when the whole file was read. Returns bytes read, or -errno.
+int64_t read_block(int fd, unsigned char* header, unsigned char* row, size_t payload, size_t span,
+                   bool fused, uint64_t& digest) {
+  const size_t size = kHeaderBytes + span;
+  if (!fused || span <= kChunkBytes) {
+    struct iovec iov[2] = {{header, kHeaderBytes}, {row, span}};
+    const int64_t n = read_once(fd, iov, 2, 0);
+    if (n == static_cast<int64_t>(size)) digest = xxh3(row, payload);
+    return n;
+  }
+  struct iovec head[1] = {{header, kHeaderBytes}};
+  int64_t total = read_once(fd, head, 1, 0);
+  if (total != static_cast<int64_t>(kHeaderBytes)) return total;
+  Hasher hasher;
+  for (size_t off = 0; off < span; off += kChunkBytes) {
+    const size_t len = std::min(kChunkBytes, span - off);
+    struct iovec iov[1] = {{row + off, len}};
+    const int64_t n = read_once(fd, iov, 1, static_cast<off_t>(kHeaderBytes + off));
+    if (n < 0) return n;
+    total += n;
+    if (n != static_cast<int64_t>(len)) return total;  // end of file: a short file
+    if (off < payload) hasher.update(row + off, std::min(len, payload - off));
+  }
+  digest = hasher.digest();
+  return total;
+}
+
+BatchResult load_read(const Values& fds, const std::vector<std::string>& keys, const Values& addrs,
+                      int64_t payload_bytes, int64_t span_bytes, int64_t version, bool fused) {
+  Values done;
+  done.reserve(fds.size() + 1);
+  unsigned char* header = header_page();
+  if (header == nullptr) return os_failure(std::move(done), ENOMEM, "posix_memalign", "");
+  const size_t payload = static_cast<size_t>(payload_bytes);
+  const size_t span = static_cast<size_t>(span_bytes);
+  const int64_t size = static_cast<int64_t>(kHeaderBytes + span);
+  for (size_t i = 0; i < fds.size(); ++i) {
+    uint64_t digest = 0;
+    const int64_t n = read_block(static_cast<int>(fds[i]), header, row_of(addrs[i]), payload, span,
+                                 fused, digest);
+    if (n < 0) return os_failure(std::move(done), static_cast<int>(-n), "read", "");
+    // Same checks, in the same order and words, as kvcascade.tiers.fs.check_block.
+    if (n != size) {
+      return corrupt(std::move(done), cat("short file (", n, " bytes read, expected ", size, ")"));
+    }
+    const unsigned char* h = header;
+    if (std::memcmp(h, kMagic, 4) != 0 || get<uint16_t>(h + 4) != version) {
+      return corrupt(std::move(done), cat("not a kvcascade v", version, " block file"));
+    }
+    const uint64_t length = get<uint64_t>(h + 8);
+    if (length != payload) {
+      return corrupt(std::move(done),
+                     cat("payload is ", length, " bytes, expected ", payload_bytes));
+    }
+    if (get<uint64_t>(h + 24) != xxh3(keys[i].data(), keys[i].size())) {
+      return corrupt(std::move(done), "holds another key's block");
+    }
+    if (get<uint64_t>(h + 16) != digest) return corrupt(std::move(done), "checksum mismatch");
+    done.push_back(payload_bytes);
+  }
+  return {std::move(done), kOk, ""};
+}
+
+BatchResult fs_load_read(const Values& fds, const std::vector<std::string>& keys,
+                         const Values& addrs, int64_t payload_bytes, int64_t span_bytes,
+                         int64_t version, bool fused) {
+  std::string error = check_batch("fs_load_read", fds.size(), keys.size(), addrs.size(),
+                                  payload_bytes, span_bytes, version);
+  if (error.empty()) error = check_addrs("fs_load_read", fds, addrs);
+  for (size_t i = 0; error.empty() && i < fds.size(); ++i) {
+    if (fds[i] < 0) error = cat("fs_load_read: fds[", static_cast<uint64_t>(i), "] is negative");
+  }
+  pybind11::gil_scoped_release no_gil;
+  BatchResult result = error.empty()
+                           ? load_read(fds, keys, addrs, payload_bytes, span_bytes, version, fused)
+                           : BatchResult{{}, kBadValue, std::move(error)};
+  for (int64_t fd : fds) close_quietly(fd);  // every fd given, whatever happened
+  return result;
+}
+
+// -- misc --------------------------------------------------------------------------------------
+
+// The f_type of the filesystem holding `path` (statfs), e.g. 0x01021994 for tmpfs.
+kvc::OpResult fs_type(const std::string& path) {
+  struct statfs sf;
+  int rc;
+  {
+    pybind11::gil_scoped_release no_gil;
+    rc = statfs(path.c_str(), &sf);
+  }
+  if (rc != 0) return {errno, kOsError, cat("statfs:", path)};
+  return {static_cast<int64_t>(static_cast<uint64_t>(sf.f_type)), kOk, ""};
+}
+
+// The block paths of `keys` under `prefix` (tests compare them with FileMapper's).
+kvc::Result<std::vector<std::string>> fs_block_paths(const std::string& prefix,
+                                                     const std::vector<std::string>& keys) {
+  std::string error = check_keys("fs_block_paths", keys);
+  if (!error.empty()) return {{}, kBadValue, std::move(error)};
+  std::vector<std::string> paths;
+  for (const std::string& key : keys) paths.push_back(block_path(prefix, key));
+  return {std::move(paths), kOk, ""};
+}
+
+// xxh3-64 of `data` (tests compare it with the xxhash package's).
+uint64_t fs_xxh3(const std::string& data) { return xxh3(data.data(), data.size()); }
+
+}  // namespace
+
+void kvcascade_register_fs_io(pybind11::module_& m) {
+  xxh3("", 0);  // pick the xxh3 kernel now, under the GIL, not racily on the first I/O threads
+  m.attr("FS_EXISTS") = kExists;
+  m.attr("FS_CHUNK_BYTES") = static_cast<int64_t>(kChunkBytes);
+  m.def("fs_store_open", &fs_store_open,
+        "Per key: kExists if its block file exists, else the fd of <path><suffix> opened "
+        "O_CREAT|O_EXCL 0600; returns (values, error kind, message)",
+        pybind11::arg("prefix"), pybind11::arg("keys"), pybind11::arg("suffix"),
+        pybind11::arg("extra_flags"));
+  m.def("fs_store_write", &fs_store_write,
+        "Per opened block: header + span written with the payload's xxh3; returns (payload "
+        "bytes per block, error kind, message)",
+        pybind11::arg("fds"), pybind11::arg("keys"), pybind11::arg("addrs"),
+        pybind11::arg("payload_bytes"), pybind11::arg("span_bytes"), pybind11::arg("version"),
+        pybind11::arg("fused"));
+  m.def("fs_store_commit", &fs_store_commit,
+        "Per opened block: close, rename <path><suffix> onto <path>; returns (values, error "
+        "kind, message)",
+        pybind11::arg("fds"), pybind11::arg("prefix"), pybind11::arg("keys"),
+        pybind11::arg("suffix"));
+  m.def("fs_store_abort", &fs_store_abort,
+        "Close the fds (>= 0) and unlink their temp files; returns (unlink errno per block, "
+        "error kind, message)",
+        pybind11::arg("fds"), pybind11::arg("prefix"), pybind11::arg("keys"),
+        pybind11::arg("suffix"));
+  m.def("fs_load_open", &fs_load_open,
+        "Per key: the fd of its block file opened read-only; returns (values, error kind, "
+        "message)",
+        pybind11::arg("prefix"), pybind11::arg("keys"), pybind11::arg("extra_flags"));
+  m.def("fs_load_read", &fs_load_read,
+        "Per block: read header + span into the row and verify it; closes every fd; returns "
+        "(payload bytes per block, error kind, message)",
+        pybind11::arg("fds"), pybind11::arg("keys"), pybind11::arg("addrs"),
+        pybind11::arg("payload_bytes"), pybind11::arg("span_bytes"), pybind11::arg("version"),
+        pybind11::arg("fused"));
+  m.def("fs_block_paths", &fs_block_paths, "Block paths of keys under prefix",
+        pybind11::arg("prefix"), pybind11::arg("keys"));
+  m.def("fs_type", &fs_type, "statfs f_type of the filesystem holding path", pybind11::arg("path"));
+  m.def("fs_xxh3", &fs_xxh3, "xxh3-64 of bytes", pybind11::arg("data"));
+}
