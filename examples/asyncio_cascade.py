@@ -45,6 +45,7 @@ async def main(fs_dir: str) -> None:
         cascade.finish_request(writer)
 
         reader = kc.ReqContext("prefill-2")
+        cascade.touch(keys, reader)  # the request reads these blocks (recency, policy learning)
         found = await cascade.lookup_prefix(keys, reader)
         print(f"prefix hit: {found.num_hits} of {len(keys)} blocks, from {found.tiers}")
         gpu_ids = list(range(32, 32 + found.num_hits))

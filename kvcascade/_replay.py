@@ -184,7 +184,7 @@ async def _step(
     g = gpu.leading_hits(ids)
     gpu.touch(ids[:g])
     report.hit_blocks["gpu"] += g
-    cascade.coordinator.touch(keys, ctx)
+    cascade.touch(keys, ctx)
     found = await cascade.lookup_prefix(keys[g:], ctx)
     gpu_ids = gpu.allocate(ids[g:], protected=ids[:g])
     loaded = 0

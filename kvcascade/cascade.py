@@ -241,6 +241,19 @@ class Cascade:
             return StoreResult(dropped=len(out.keys_to_store))
         return StoreResult(out.keys_to_store, 0, transfer.bytes)
 
+    def touch(self, keys: Sequence[bytes], ctx: ReqContext) -> None:
+        """Record that a request reads ``keys`` — every block of its prompt, cached or not, in
+        order — once per request, as vLLM's scheduler does when it allocates the request
+        (spec §3.8): refreshes recency in every tier and is what learning policies
+        (``turn_aware``) learn from. :meth:`lookup_prefix` does not touch: a caller that never
+        touches gets LRU-like behaviour from ``turn_aware``.
+
+        Raises:
+            TypeError / ValueError: see :func:`_check_request`.
+        """
+        _check_request(keys, ctx)
+        self.coordinator.touch(keys, ctx)
+
     def finish_request(self, ctx: ReqContext) -> None:
         """The request will submit nothing more (finished or cancelled): release its pins and
         tell the coordinator."""

@@ -39,7 +39,7 @@ async def _converse(cascade: kc.Cascade, conversations: int = 6, turns: int = 3)
             keys = [_key(c, b) for b in range(turn + 1)]
             ctx = kc.ReqContext(f"c{c}t{turn}")
             found = await cascade.lookup_prefix(keys, ctx)
-            cascade.coordinator.touch(keys, ctx)
+            cascade.touch(keys, ctx)
             if found.keys:
                 await cascade.load(found.keys, ctx, list(range(len(found.keys))))
             rest = keys[len(found.keys) :]

@@ -114,9 +114,7 @@ class ARCCachePolicy(CachePolicy):
                 self.target_t1_size = max(self.target_t1_size - step, 0.0)
                 b2.move_to_end(key)
 
-    def evict(
-        self, n: int, protected: Collection[bytes]
-    ) -> list[tuple[bytes, BlockStatus]] | None:
+    def evict(self, n: int, protected: Collection[bytes]) -> list[tuple[bytes, BlockStatus]] | None:
         if n <= 0:
             return []
         t1, t2 = self._t1, self._t2

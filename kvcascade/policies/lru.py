@@ -50,9 +50,7 @@ class LRUCachePolicy(CachePolicy):
             if block is not None and block.ref_cnt == 0:
                 move(key)
 
-    def evict(
-        self, n: int, protected: Collection[bytes]
-    ) -> list[tuple[bytes, BlockStatus]] | None:
+    def evict(self, n: int, protected: Collection[bytes]) -> list[tuple[bytes, BlockStatus]] | None:
         if n <= 0:
             return []
         victims: list[tuple[bytes, BlockStatus]] = []
