@@ -12,11 +12,16 @@
 //   fs_store_open    per block: the file exists -> kExists (nothing to write); else open
 //                    <path><suffix> O_CREAT|O_EXCL 0600 (creating the two parent directories 0700
 //                    on ENOENT) -> its fd
-// where <path> = <prefix><hhh>/<hh>_g<group>/<hex>.bin is built here from the offload key
+// where <path> = <prefix><hhh>/<hh>_g<group>/<hex>.bin is built here from the offload key and
+// resolved from the namespace directory <prefix>, opened once per call (struct Dir)
 // (block_path: kvcascade.tiers._file_mapper.FileMapper.relative_path after the namespace; the tier
 // checks the two agree before it uses this path).
 //   fs_store_write   per opened block: xxh3 of the payload, header, write header + span
 //   fs_store_commit  per opened block: close, rename the temp file onto <path>
+// Without the existence check in fs_store_open (the tier keeps no size index), commit renames
+// with RENAME_NOREPLACE instead: an existing file is kept and the temp file dropped, the same
+// outcome as checking first, without a lookup of every new name before its write (a lookup
+// that misses takes the directory lock and waits behind concurrent creates and renames).
 //   fs_store_abort   close and unlink temp files (error paths)
 // A load job is two calls: fs_load_open (open every file) then fs_load_read (read header + span
 // straight into the row, verify; closes every fd it is given).
@@ -40,6 +45,7 @@
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -83,6 +89,10 @@ constexpr size_t kFieldBytes = 32;
 constexpr size_t kChunkBytes = size_t{256} << 10;
 constexpr char kMagic[4] = {'K', 'V', 'C', 'B'};
 constexpr int64_t kExists = -1;  // fs_store_open: the block file exists, nothing to write
+constexpr int64_t kExisted = 1;  // fs_store_commit: the block file existed, temp file dropped
+#ifndef RENAME_NOREPLACE
+#define RENAME_NOREPLACE (1 << 0)
+#endif
 
 BatchResult os_failure(Values values, int err, const char* call, const std::string& file) {
   values.push_back(err);
@@ -178,9 +188,9 @@ int64_t read_once(int fd, struct iovec* iov, int cnt, off_t offset) {
   }
 }
 
-int open_retry(const std::string& path, int flags, mode_t mode) {
+int open_retry(int dir_fd, const std::string& path, int flags, mode_t mode) {
   for (;;) {
-    const int fd = open(path.c_str(), flags, mode);
+    const int fd = openat(dir_fd, path.c_str(), flags, mode);
     if (fd >= 0 || errno != EINTR) return fd;
   }
 }
@@ -192,10 +202,10 @@ std::string dirname_of(const std::string& path) {
 
 // Creates <hhh>/<hh>_g<group> (the two parents of `path`) with mode 0700; an existing one is fine.
 // Returns 0 or the errno of the failing mkdir (its directory in `failed`).
-int make_parents(const std::string& path, std::string& failed) {
+int make_parents(int dir_fd, const std::string& path, std::string& failed) {
   const std::string leaf = dirname_of(path);
   for (const std::string& dir : {dirname_of(leaf), leaf}) {
-    if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    if (mkdirat(dir_fd, dir.c_str(), 0700) != 0 && errno != EEXIST) {
       failed = dir;
       return errno;
     }
@@ -235,6 +245,25 @@ std::string block_path(const std::string& prefix, const std::string& key) {
              group, "/", hex, ".bin");
 }
 
+// The namespace directory `prefix`, opened once per call: block paths are then resolved from it
+// (three components, not the whole path, per system call). If it cannot be opened, full paths
+// are used and each block meets the error itself, as without it.
+struct Dir {
+  const std::string& prefix;
+  int fd;
+  explicit Dir(const std::string& p)
+      : prefix(p), fd(open(p.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC)) {}
+  ~Dir() {
+    if (fd >= 0) close(fd);
+  }
+  Dir(const Dir&) = delete;
+  Dir& operator=(const Dir&) = delete;
+  int at() const { return fd >= 0 ? fd : AT_FDCWD; }
+  // The name of `key`'s block file to pass with at(); full(name) for messages.
+  std::string name(const std::string& key) const { return block_path(fd >= 0 ? "" : prefix, key); }
+  std::string full(const std::string& name) const { return fd >= 0 ? prefix + name : name; }
+};
+
 // Validates the per-block arrays of a write or read; "" when fine.
 std::string check_batch(const char* op, size_t n_fds, size_t n_keys, size_t n_addrs,
                         int64_t payload_bytes, int64_t span_bytes, int64_t version) {
@@ -259,29 +288,30 @@ std::string check_addrs(const char* op, const Values& fds, const Values& addrs) 
 // -- stores ------------------------------------------------------------------------------------
 
 BatchResult fs_store_open(const std::string& prefix, const std::vector<std::string>& keys,
-                          const std::string& suffix, int64_t extra_flags) {
+                          const std::string& suffix, int64_t extra_flags, bool check_exists) {
   std::string error = check_keys("fs_store_open", keys);
   if (!error.empty()) return {{}, kBadValue, std::move(error)};
   Values fds;
   fds.reserve(keys.size() + 1);
   pybind11::gil_scoped_release no_gil;
   const int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | static_cast<int>(extra_flags);
+  const Dir dir(prefix);
   for (const std::string& key : keys) {
-    const std::string path = block_path(prefix, key);
-    struct stat st;
-    if (stat(path.c_str(), &st) == 0) {  // os.path.exists: a store of a present key is a hit
+    const std::string path = dir.name(key);
+    struct stat st;  // os.path.exists: a store of a present key is a hit
+    if (check_exists && fstatat(dir.at(), path.c_str(), &st, 0) == 0) {
       fds.push_back(kExists);
       continue;
     }
     const std::string tmp = path + suffix;
-    int fd = open_retry(tmp, flags, 0600);
+    int fd = open_retry(dir.at(), tmp, flags, 0600);
     if (fd < 0 && errno == ENOENT) {  // the first block of its directory
-      std::string dir;
-      const int err = make_parents(path, dir);
-      if (err != 0) return os_failure(std::move(fds), err, "mkdir", dir);
-      fd = open_retry(tmp, flags, 0600);
+      std::string failed;
+      const int err = make_parents(dir.at(), path, failed);
+      if (err != 0) return os_failure(std::move(fds), err, "mkdir", dir.full(failed));
+      fd = open_retry(dir.at(), tmp, flags, 0600);
     }
-    if (fd < 0) return os_failure(std::move(fds), errno, "open", tmp);
+    if (fd < 0) return os_failure(std::move(fds), errno, "open", dir.full(tmp));
     fds.push_back(fd);
   }
   return {std::move(fds), kOk, ""};
@@ -339,12 +369,13 @@ BatchResult fs_store_write(const Values& fds, const std::vector<std::string>& ke
 Values abort_from(const Values& fds, const std::string& prefix,
                   const std::vector<std::string>& keys, const std::string& suffix, size_t from) {
   Values errs;
+  const Dir dir(prefix);
   for (size_t i = from; i < fds.size() && i < keys.size(); ++i) {
     int err = 0;
     if (fds[i] >= 0) {
       close_quietly(fds[i]);
-      const std::string tmp = block_path(prefix, keys[i]) + suffix;
-      if (unlink(tmp.c_str()) != 0 && errno != ENOENT) err = errno;
+      const std::string tmp = dir.name(keys[i]) + suffix;
+      if (unlinkat(dir.at(), tmp.c_str(), 0) != 0 && errno != ENOENT) err = errno;
     }
     errs.push_back(err);
   }
@@ -358,34 +389,60 @@ std::string check_pairs(const char* op, const Values& fds, const std::vector<std
   return check_keys(op, keys);
 }
 
+// Moves `tmp` onto `path`. With `noreplace` an existing `path` is kept (and `existed` set): one
+// renameat2(RENAME_NOREPLACE), or where the filesystem lacks it (EINVAL, ENOSYS: NFS, old
+// kernels) a stat first. Returns 0 or an errno.
+int commit_one(int dir_fd, const std::string& tmp, const std::string& path, bool noreplace,
+               bool& existed) {
+  existed = false;
+  if (noreplace) {
+    if (syscall(SYS_renameat2, dir_fd, tmp.c_str(), dir_fd, path.c_str(), RENAME_NOREPLACE) == 0) {
+      return 0;
+    }
+    if (errno == EEXIST) {
+      existed = true;
+      return 0;
+    }
+    if (errno != EINVAL && errno != ENOSYS) return errno;
+    struct stat st;
+    if (fstatat(dir_fd, path.c_str(), &st, 0) == 0) {
+      existed = true;
+      return 0;
+    }
+  }
+  return renameat(dir_fd, tmp.c_str(), dir_fd, path.c_str()) == 0 ? 0 : errno;
+}
+
 BatchResult fs_store_commit(const Values& fds, const std::string& prefix,
-                            const std::vector<std::string>& keys, const std::string& suffix) {
+                            const std::vector<std::string>& keys, const std::string& suffix,
+                            bool noreplace) {
   std::string error = check_pairs("fs_store_commit", fds, keys);
   if (!error.empty()) return {{}, kBadValue, std::move(error)};
   Values done;
   done.reserve(fds.size() + 1);
   pybind11::gil_scoped_release no_gil;
+  const Dir dir(prefix);
   for (size_t i = 0; i < fds.size(); ++i) {
     if (fds[i] < 0) {
       done.push_back(0);
       continue;
     }
-    const std::string path = block_path(prefix, keys[i]);
+    const std::string path = dir.name(keys[i]);
     const std::string tmp = path + suffix;
-    const char* call = nullptr;
+    const char* call = "close";
     int err = 0;
+    bool existed = false;
     if (close(static_cast<int>(fds[i])) != 0 && errno != EINTR) {  // EINTR: closed anyway
-      call = "close";
       err = errno;
-    } else if (rename(tmp.c_str(), path.c_str()) != 0) {
+    } else {
       call = "rename";
-      err = errno;
+      err = commit_one(dir.at(), tmp, path, noreplace, existed);
     }
+    if (err != 0 || existed) unlinkat(dir.at(), tmp.c_str(), 0);
     if (err != 0) {  // the later blocks stay open: the caller aborts them
-      unlink(tmp.c_str());
-      return os_failure(std::move(done), err, call, tmp);
+      return os_failure(std::move(done), err, call, dir.full(tmp));
     }
-    done.push_back(0);
+    done.push_back(existed ? kExisted : 0);
   }
   return {std::move(done), kOk, ""};
 }
@@ -408,10 +465,11 @@ BatchResult fs_load_open(const std::string& prefix, const std::vector<std::strin
   fds.reserve(keys.size() + 1);
   pybind11::gil_scoped_release no_gil;
   const int flags = O_RDONLY | O_CLOEXEC | static_cast<int>(extra_flags);
+  const Dir dir(prefix);
   for (const std::string& key : keys) {
-    const std::string path = block_path(prefix, key);
-    const int fd = open_retry(path, flags, 0);
-    if (fd < 0) return os_failure(std::move(fds), errno, "open", path);
+    const std::string path = dir.name(key);
+    const int fd = open_retry(dir.at(), path, flags, 0);
+    if (fd < 0) return os_failure(std::move(fds), errno, "open", dir.full(path));
     fds.push_back(fd);
   }
   return {std::move(fds), kOk, ""};
@@ -531,11 +589,12 @@ void kvcascade_register_fs_io(pybind11::module_& m) {
   xxh3("", 0);  // pick the xxh3 kernel now, under the GIL, not racily on the first I/O threads
   m.attr("FS_EXISTS") = kExists;
   m.attr("FS_CHUNK_BYTES") = static_cast<int64_t>(kChunkBytes);
+  m.attr("FS_EXISTED") = kExisted;
   m.def("fs_store_open", &fs_store_open,
-        "Per key: kExists if its block file exists, else the fd of <path><suffix> opened "
-        "O_CREAT|O_EXCL 0600; returns (values, error kind, message)",
+        "Per key: FS_EXISTS if check_exists and its block file exists, else the fd of "
+        "<path><suffix> opened O_CREAT|O_EXCL 0600; returns (values, error kind, message)",
         pybind11::arg("prefix"), pybind11::arg("keys"), pybind11::arg("suffix"),
-        pybind11::arg("extra_flags"));
+        pybind11::arg("extra_flags"), pybind11::arg("check_exists"));
   m.def("fs_store_write", &fs_store_write,
         "Per opened block: header + span written with the payload's xxh3; returns (payload "
         "bytes per block, error kind, message)",
@@ -543,10 +602,10 @@ void kvcascade_register_fs_io(pybind11::module_& m) {
         pybind11::arg("payload_bytes"), pybind11::arg("span_bytes"), pybind11::arg("version"),
         pybind11::arg("fused"));
   m.def("fs_store_commit", &fs_store_commit,
-        "Per opened block: close, rename <path><suffix> onto <path>; returns (values, error "
-        "kind, message)",
+        "Per opened block: close, rename <path><suffix> onto <path> (noreplace: keep an "
+        "existing <path>, value FS_EXISTED); returns (values, error kind, message)",
         pybind11::arg("fds"), pybind11::arg("prefix"), pybind11::arg("keys"),
-        pybind11::arg("suffix"));
+        pybind11::arg("suffix"), pybind11::arg("noreplace"));
   m.def("fs_store_abort", &fs_store_abort,
         "Close the fds (>= 0) and unlink their temp files; returns (unlink errno per block, "
         "error kind, message)",

@@ -978,5 +978,31 @@ async def test_compiled_ops_return_errors_instead_of_raising(tmp_path: Path, io_
         "fs_store_write: span_bytes must be a multiple of 4096 >= payload_bytes (4096), got 100",
     )
     top = Path(missing).parent.parent
-    assert ext.fs_store_open(prefix, [key(1)], "_x.tmp", 0) == ([errno.ENOENT], 3, f"mkdir:{top}")
+    assert ext.fs_store_open(prefix, [key(1)], "_x.tmp", 0, True) == (
+        [errno.ENOENT],
+        3,
+        f"mkdir:{top}",
+    )
     assert ext.fs_store_abort([ext.FS_EXISTS], prefix, [key(1)], ".tmp") == ([0], 0, "")
+
+
+@pytest.mark.parametrize("max_bytes", [None, 1 << 20])
+async def test_store_of_a_present_key_keeps_the_file(
+    tmp_path: Path, host: kc.HostBuffer, max_bytes: int | None
+) -> None:
+    """§4.3: a store of a key whose file exists leaves that file as it is (a hit, 0 bytes
+    written, no temp file left), with or without a size index; the compiled mover without one
+    learns it from rename(RENAME_NOREPLACE) instead of a lookup first."""
+    tier = make_tier(tmp_path, host, max_bytes=max_bytes)
+    async with running(tier):
+        assert (await store(tier, host, [1, 2], [0, 1])).success
+        path = Path(tier.path_of(key(1)))
+        before, mtime = path.read_bytes(), path.stat().st_mtime_ns
+        host.row(0)[:] = pattern(99)  # other bytes under the same key: must not replace the file
+        result = await tier.submit_store(job([key(1), key(3)], [0, 2], False))
+        assert result.success and result.transfer_size == BLOCK
+        assert path.read_bytes() == before and path.stat().st_mtime_ns == mtime
+        assert files(tmp_path, ".tmp") == [] and len(files(tmp_path, ".bin")) == 3
+        assert (await load(tier, [1], [5])).success and bytes(host.row(5)) == pattern(1)
+        if max_bytes is not None:
+            assert tier.used_bytes == 3 * file_size(BLOCK)
