@@ -28,8 +28,8 @@
 //
 // "Fused" I/O, for filesystems where a read or write is a CPU copy (buffered I/O, tmpfs): a span
 // above kChunkBytes moves in kChunkBytes pieces and each piece is hashed right after it was read
-// (or right before it is written) while it is in the CPU cache, so the checksum costs no second
-// pass over the block in DRAM; the header goes last on stores. Without it (O_DIRECT on a device:
+// or written, while it is in the CPU cache, so the checksum costs no second pass over the block
+// in DRAM; the header goes last on stores. Without it (O_DIRECT on a device:
 // DMA, no CPU copy) each block is one vectored write or read and one hash pass. A span of at most
 // kChunkBytes is always one vectored call, hashed right before the write or after the read.
 //
@@ -348,9 +348,11 @@ BatchResult fs_store_write(const Values& fds, const std::vector<std::string>& ke
       Hasher hasher;
       for (size_t off = 0; off < span && err == 0; off += kChunkBytes) {
         const size_t len = std::min(kChunkBytes, span - off);
-        if (off < payload) hasher.update(row + off, std::min(len, payload - off));
         struct iovec iov[1] = {{row + off, len}};
         err = write_all(fd, iov, 1, static_cast<off_t>(kHeaderBytes + off));
+        // Hashed after the write, from the cache the copy just filled (the rows of a job do
+        // not change while it runs); measured faster than before it with two busy cores.
+        if (err == 0 && off < payload) hasher.update(row + off, std::min(len, payload - off));
       }
       if (err == 0) {
         encode_header(header, version, payload, hasher.digest(), key_digest);

@@ -661,6 +661,25 @@ async def test_single_thread_alternates_between_loads_and_stores(
         assert order == ["S", "L"] * 3
 
 
+async def test_threads_take_queued_jobs_without_the_loop(
+    tmp_path: Path, host: kc.HostBuffer
+) -> None:
+    """An I/O thread that finishes a job takes the next queued one itself: with the event loop
+    blocked (a scheduler step that runs long), every queued store still reaches the disk, and
+    the results arrive once the loop runs again."""
+    tier = make_tier(tmp_path, host, io_threads=1)
+    async with running(tier):
+        for i in range(6):
+            host.row(i)[:] = pattern(i)
+        futures = [tier.submit_store(job([key(i)], [i], False)) for i in range(6)]
+        paths = [Path(tier.path_of(key(i))) for i in range(6)]
+        until = time.monotonic() + 30
+        while not all(p.exists() for p in paths) and time.monotonic() < until:
+            time.sleep(0.005)  # blocks the loop: nothing is dispatched from it meanwhile
+        assert all(p.exists() for p in paths)
+        assert all(r.success for r in await asyncio.gather(*futures))
+
+
 # -- real faults -----------------------------------------------------------------------------
 _WRITER = textwrap.dedent("""
     import asyncio, hashlib, random, sys

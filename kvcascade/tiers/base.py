@@ -12,7 +12,10 @@ results at its poll points.
 Scheduling (same rule as vLLM's ``DualQueueThreadPool``, spec §4.4): the mailbox has a load queue
 (promotions and existence probes) and a store queue (cascades). Half of the ``io_threads`` slots
 (rounded up) take loads first, the others take stores first, each falling back to the other
-queue, so reads are preferred and neither queue starves; a single slot alternates.
+queue, so reads are preferred and neither queue starves; a single slot alternates. A thread
+that finishes a job takes the next one for its slot itself (same rule, under the thread lock)
+instead of waiting for the event loop to hand it over, so a busy loop, or a loop thread that
+is waiting for a CPU, never leaves I/O threads idle; the loop still resolves every result.
 
 Deadlines and back-pressure: every job has a deadline ``io_timeout_s`` seconds after it was
 submitted, covering its time in the queue and on a thread. At the deadline its future is resolved
@@ -84,6 +87,7 @@ class _Work:
         "in_rows",
         "is_load",
         "job",
+        "native",
         "replaced",
         "slot",
         "started_at",
@@ -114,6 +118,7 @@ class _Work:
         self.in_rows = False
         self.replaced = False
         self.task: asyncio.Task[None] | None = None  # a native (coroutine) work's task
+        self.native = inspect.iscoroutinefunction(fn)  # runs as a task on the loop
 
 
 class SecondaryTier(ABC):
@@ -173,6 +178,10 @@ class SecondaryTier(ABC):
         self._inbox: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         self._threads: set[threading.Thread] = set()
         self._thread_lock = threading.Lock()
+        self._done: collections.deque[tuple[_Work, Any, BaseException | None, bool]] = (
+            collections.deque()
+        )
+        self._done_posted = False  # a _take_done callback is pending on the loop
         self._replacements = 0
         self._current = threading.local()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -279,12 +288,15 @@ class SecondaryTier(ABC):
                 await self._wake.wait()
         finally:
             self._closed = True
-            for work in [*self._loads, *self._stores]:
-                if work.state == _QUEUED:
-                    self._fail(work, "tier closed")
-            self._loads.clear()
-            self._stores.clear()
-            running = [w.fut for w in self._running]
+            with self._thread_lock:  # no thread takes queued work from here on
+                queued = [w for w in (*self._loads, *self._stores) if w.state == _QUEUED]
+                for work in queued:
+                    work.state = _DONE
+                self._loads.clear()
+                self._stores.clear()
+                running = [w.fut for w in self._running]
+            for work in queued:
+                self._fail(work, "tier closed")
             if running:
                 await asyncio.wait(running)
             unwinding = [t for t in self._tasks if not t.done()]
@@ -311,10 +323,8 @@ class SecondaryTier(ABC):
 
     def _thread_main(self) -> None:
         me = threading.current_thread()
-        while True:
-            work = self._inbox.get()
-            if work is None:
-                break
+        work = self._inbox.get()
+        while work is not None:
             self._current.work = work
             outcome: Any = None
             error: BaseException | None = None
@@ -323,19 +333,42 @@ class SecondaryTier(ABC):
             except BaseException as exc:  # delivered to the loop, which classifies it
                 error = exc
             self._current.work = None
+            following: _Work | None = None
             with self._thread_lock:
                 work.finished = True
                 abandoned, replaced = work.abandoned, work.replaced
                 if abandoned and replaced:
                     self._replacements -= 1
                     self._threads.discard(me)
+                if not abandoned and not self._closed:
+                    following = self._claim(work.slot, for_thread=True)
             if abandoned:
                 log.warning("tier %s: a job abandoned at its deadline returned late", self.name)
                 self._post(self._thread_returned, work)
                 if replaced:
                     return
-                continue
-            self._post(self._work_done, work, outcome, error)
+            else:
+                self._post_done(work, outcome, error, following is not None)
+            work = following if following is not None else self._inbox.get()
+
+    def _post_done(
+        self, work: _Work, outcome: Any, error: BaseException | None, slot_kept: bool
+    ) -> None:
+        """Hand a finished work to the loop. Results queue up and one loop callback takes all
+        that arrived before it ran: one wake-up of the loop for a burst of finished jobs."""
+        self._done.append((work, outcome, error, slot_kept))
+        with self._thread_lock:
+            if self._done_posted:
+                return
+            self._done_posted = True
+        self._post(self._take_done)
+
+    def _take_done(self) -> None:
+        """Loop thread: process every finished work queued by :meth:`_post_done`."""
+        with self._thread_lock:
+            self._done_posted = False  # from here on a new result posts a new callback
+        while self._done:
+            self._work_done(*self._done.popleft())
 
     def _post(self, callback: Callable[..., None], *args: Any) -> None:
         loop = self._loop
@@ -347,31 +380,41 @@ class SecondaryTier(ABC):
 
     def _dispatch(self) -> None:
         """Hand queued work to free slots (loads-first and stores-first slots, spec §4.4)."""
-        while self._free_slots and (self._loads or self._stores):
-            slot = self._free_slots.pop()
-            if self.io_threads == 1:
-                prefer_load = self._single_slot_prefers_load
-                self._single_slot_prefers_load = not prefer_load
-            else:
-                prefer_load = slot % 2 == 0
-            first, second = (
-                (self._loads, self._stores) if prefer_load else (self._stores, self._loads)
-            )
-            work = self._pop_live(first) or self._pop_live(second)
-            if work is None:
-                self._free_slots.append(slot)
-                return
-            work.state = _RUNNING
-            work.slot = slot
-            work.started_at = time.perf_counter()
-            self._running.add(work)
-            if inspect.iscoroutinefunction(work.fn):
+        while True:
+            with self._thread_lock:
+                if not (self._free_slots and (self._loads or self._stores)):
+                    return
+                slot = self._free_slots.pop()
+                work = self._claim(slot, for_thread=False)
+                if work is None:
+                    self._free_slots.append(slot)
+                    return
+            if work.native:
                 assert self._loop is not None
                 work.task = self._loop.create_task(self._run_native(work))
                 self._tasks.add(work.task)
                 work.task.add_done_callback(self._tasks.discard)
             else:
                 self._inbox.put(work)
+
+    def _claim(self, slot: int, for_thread: bool) -> _Work | None:
+        """The next queued work for ``slot``, marked running on it (caller holds the thread
+        lock). Even slots take loads first, odd ones stores first; a single slot alternates.
+        ``for_thread``: a thread asks for its next work; a native one is left to the loop."""
+        if self.io_threads == 1:
+            prefer_load = self._single_slot_prefers_load
+            self._single_slot_prefers_load = not prefer_load
+        else:
+            prefer_load = slot % 2 == 0
+        first, second = (self._loads, self._stores) if prefer_load else (self._stores, self._loads)
+        work = self._pop_live(first, for_thread) or self._pop_live(second, for_thread)
+        if work is None:
+            return None
+        work.state = _RUNNING
+        work.slot = slot
+        work.started_at = time.perf_counter()
+        self._running.add(work)
+        return work
 
     async def _run_native(self, work: _Work) -> None:
         """Run a coroutine mover as a task: the loop-side twin of :meth:`_thread_main`."""
@@ -389,13 +432,18 @@ class SecondaryTier(ABC):
         else:
             self._work_done(work, outcome, error)
 
-    def _pop_live(self, q: collections.deque[_Work]) -> _Work | None:
+    def _pop_live(self, q: collections.deque[_Work], for_thread: bool) -> _Work | None:
+        """Pop the first queued work of ``q`` (dropping expired ones); caller holds the lock."""
         while q:
+            if q[0].state != _QUEUED:
+                q.popleft()
+                continue
+            if for_thread and q[0].native:
+                return None
             work = q.popleft()
-            if work.state == _QUEUED:
-                if work.job is not None:
-                    self._queued_jobs -= 1
-                return work
+            if work.job is not None:
+                self._queued_jobs -= 1
+            return work
         return None
 
     def _enqueue(
@@ -410,9 +458,10 @@ class SecondaryTier(ABC):
         work = _Work(fn, args, self._loop.create_future(), is_load, job)
         if deadline:
             work.deadline = self._loop.call_later(self.io_timeout_s, self._expire, work)
-        (self._loads if is_load else self._stores).append(work)
-        if job is not None:
-            self._queued_jobs += 1
+        with self._thread_lock:
+            (self._loads if is_load else self._stores).append(work)
+            if job is not None:
+                self._queued_jobs += 1
         self._dispatch()
         return work
 
@@ -422,13 +471,13 @@ class SecondaryTier(ABC):
             return
         self.counters["timeouts"] += 1
         rows_in_use = False  # may the running work still touch the job's primary rows?
-        if work.state == _RUNNING and work.task is not None:
-            work.abandoned = rows_in_use = True  # its slot frees once the task has unwound
-            work.task.cancel()
-            self.counters["stuck_threads"] += 1
-            self._running.discard(work)
-        elif work.state == _RUNNING:
-            with self._thread_lock:
+        with self._thread_lock:  # a thread may take queued work meanwhile
+            queued = work.state == _QUEUED
+            if queued:
+                work.state = _DONE
+                if work.job is not None:
+                    self._queued_jobs -= 1
+            elif work.task is None:  # running on a thread
                 if work.finished:
                     return  # its result is already on the way to the loop
                 work.abandoned = True
@@ -436,13 +485,18 @@ class SecondaryTier(ABC):
                 work.replaced = self._replacements < self.io_threads
                 if work.replaced:
                     self._replacements += 1
+                self._running.discard(work)
+        if not queued and work.task is not None:  # a native task
+            work.abandoned = rows_in_use = True  # its slot frees once the task has unwound
+            work.task.cancel()
             self.counters["stuck_threads"] += 1
-            self._running.discard(work)
+            with self._thread_lock:
+                self._running.discard(work)
+        elif not queued:
+            self.counters["stuck_threads"] += 1
             if work.replaced:
                 self._spawn_thread()
                 self._release_slot(work.slot)
-        elif work.job is not None:
-            self._queued_jobs -= 1
         self._fail(work, f"deadline of {self.io_timeout_s:g} s passed", abandoned=rows_in_use)
 
     def _thread_returned(self, work: _Work) -> None:
@@ -455,13 +509,19 @@ class SecondaryTier(ABC):
             self._finished.append(JobResult(work.job.job_id, False, released=True))
 
     def _release_slot(self, slot: int) -> None:
-        self._free_slots.append(slot)
+        with self._thread_lock:
+            self._free_slots.append(slot)
         self._dispatch()
 
-    def _work_done(self, work: _Work, outcome: Any, error: BaseException | None) -> None:
-        """A thread finished ``work`` in time (loop thread)."""
-        self._running.discard(work)
-        self._release_slot(work.slot)
+    def _work_done(
+        self, work: _Work, outcome: Any, error: BaseException | None, slot_kept: bool = False
+    ) -> None:
+        """A thread (or task) finished ``work`` in time (loop thread); ``slot_kept``: the thread
+        already runs the slot's next work."""
+        with self._thread_lock:
+            self._running.discard(work)
+        if not slot_kept:
+            self._release_slot(work.slot)
         if work.deadline is not None:
             work.deadline.cancel()
         work.state = _DONE
