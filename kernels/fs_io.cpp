@@ -26,12 +26,13 @@
 // A load job is two calls: fs_load_open (open every file) then fs_load_read (read header + span
 // straight into the row, verify; closes every fd it is given).
 //
-// "Fused" I/O, for filesystems where a read or write is a CPU copy (buffered I/O, tmpfs): a span
-// above kChunkBytes moves in kChunkBytes pieces and each piece is hashed right after it was read
-// or written, while it is in the CPU cache, so the checksum costs no second pass over the block
-// in DRAM; the header goes last on stores. Without it (O_DIRECT on a device:
-// DMA, no CPU copy) each block is one vectored write or read and one hash pass. A span of at most
-// kChunkBytes is always one vectored call, hashed right before the write or after the read.
+// "Fused" I/O (piece_bytes > 0), for filesystems where a read or write is a CPU copy (buffered
+// I/O, tmpfs): a span above piece_bytes moves in pieces of that size and each piece is hashed
+// right after it was read or written, while it is in the CPU cache, so the checksum costs no
+// second pass over the block in DRAM; on stores the header goes last, on loads it comes with the
+// first piece. Without it (piece_bytes = 0: O_DIRECT on a device, DMA and no CPU copy) and for
+// a span of at most piece_bytes, each block is one vectored write or read of header + span,
+// hashed right before the write or after the read.
 //
 // Every batch op returns (values, error kind, message) and never throws (kvc_result.h). values has
 // one entry per block done; on an error it has one more, for the failing block (so the failing
@@ -86,7 +87,6 @@ using BatchResult = kvc::Result<Values>;
 constexpr size_t kAlign = 4096;
 constexpr size_t kHeaderBytes = 4096;
 constexpr size_t kFieldBytes = 32;
-constexpr size_t kChunkBytes = size_t{256} << 10;
 constexpr char kMagic[4] = {'K', 'V', 'C', 'B'};
 constexpr int64_t kExists = -1;  // fs_store_open: the block file exists, nothing to write
 constexpr int64_t kExisted = 1;  // fs_store_commit: the block file existed, temp file dropped
@@ -266,7 +266,8 @@ struct Dir {
 
 // Validates the per-block arrays of a write or read; "" when fine.
 std::string check_batch(const char* op, size_t n_fds, size_t n_keys, size_t n_addrs,
-                        int64_t payload_bytes, int64_t span_bytes, int64_t version) {
+                        int64_t payload_bytes, int64_t span_bytes, int64_t version,
+                        int64_t piece_bytes) {
   KVC_REQUIRE(n_fds == n_keys && n_fds == n_addrs, op, ": lengths differ: fds ",
               static_cast<uint64_t>(n_fds), ", keys ", static_cast<uint64_t>(n_keys), ", addrs ",
               static_cast<uint64_t>(n_addrs));
@@ -275,6 +276,8 @@ std::string check_batch(const char* op, size_t n_fds, size_t n_keys, size_t n_ad
               ": span_bytes must be a multiple of 4096 >= payload_bytes (", payload_bytes,
               "), got ", span_bytes);
   KVC_REQUIRE(version >= 0 && version <= 0xFFFF, op, ": version must fit in u16, got ", version);
+  KVC_REQUIRE(piece_bytes >= 0 && piece_bytes % static_cast<int64_t>(kAlign) == 0, op,
+              ": piece_bytes must be 0 or a multiple of 4096, got ", piece_bytes);
   return "";
 }
 
@@ -319,9 +322,9 @@ BatchResult fs_store_open(const std::string& prefix, const std::vector<std::stri
 
 BatchResult fs_store_write(const Values& fds, const std::vector<std::string>& keys,
                            const Values& addrs, int64_t payload_bytes, int64_t span_bytes,
-                           int64_t version, bool fused) {
+                           int64_t version, int64_t piece_bytes) {
   std::string error = check_batch("fs_store_write", fds.size(), keys.size(), addrs.size(),
-                                  payload_bytes, span_bytes, version);
+                                  payload_bytes, span_bytes, version, piece_bytes);
   if (error.empty()) error = check_addrs("fs_store_write", fds, addrs);
   if (!error.empty()) return {{}, kBadValue, std::move(error)};
   Values done;
@@ -331,6 +334,7 @@ BatchResult fs_store_write(const Values& fds, const std::vector<std::string>& ke
   if (header == nullptr) return os_failure(std::move(done), ENOMEM, "posix_memalign", "");
   const size_t payload = static_cast<size_t>(payload_bytes);
   const size_t span = static_cast<size_t>(span_bytes);
+  const size_t piece = static_cast<size_t>(piece_bytes);
   for (size_t i = 0; i < fds.size(); ++i) {
     if (fds[i] < 0) {  // kExists
       done.push_back(0);
@@ -340,14 +344,14 @@ BatchResult fs_store_write(const Values& fds, const std::vector<std::string>& ke
     unsigned char* row = row_of(addrs[i]);
     const uint64_t key_digest = xxh3(keys[i].data(), keys[i].size());
     int err = 0;
-    if (!fused || span <= kChunkBytes) {
+    if (piece == 0 || span <= piece) {
       encode_header(header, version, payload, xxh3(row, payload), key_digest);
       struct iovec iov[2] = {{header, kHeaderBytes}, {row, span}};
       err = write_all(fd, iov, 2, 0);
     } else {
       Hasher hasher;
-      for (size_t off = 0; off < span && err == 0; off += kChunkBytes) {
-        const size_t len = std::min(kChunkBytes, span - off);
+      for (size_t off = 0; off < span && err == 0; off += piece) {
+        const size_t len = std::min(piece, span - off);
         struct iovec iov[1] = {{row + off, len}};
         err = write_all(fd, iov, 1, static_cast<off_t>(kHeaderBytes + off));
         // Hashed after the write, from the cache the copy just filled (the rows of a job do
@@ -480,25 +484,27 @@ BatchResult fs_load_open(const std::string& prefix, const std::vector<std::strin
 // Reads block i (header + span) into `header` and `row`; on success sets `digest` to the xxh3 of
 // the payload when the whole file was read. Returns bytes read, or -errno.
 int64_t read_block(int fd, unsigned char* header, unsigned char* row, size_t payload, size_t span,
-                   bool fused, uint64_t& digest) {
+                   size_t piece, uint64_t& digest) {
   const size_t size = kHeaderBytes + span;
-  if (!fused || span <= kChunkBytes) {
+  if (piece == 0 || span <= piece) {
     struct iovec iov[2] = {{header, kHeaderBytes}, {row, span}};
     const int64_t n = read_once(fd, iov, 2, 0);
     if (n == static_cast<int64_t>(size)) digest = xxh3(row, payload);
     return n;
   }
-  struct iovec head[1] = {{header, kHeaderBytes}};
-  int64_t total = read_once(fd, head, 1, 0);
-  if (total != static_cast<int64_t>(kHeaderBytes)) return total;
+  // The header rides with the first piece.
   Hasher hasher;
-  for (size_t off = 0; off < span; off += kChunkBytes) {
-    const size_t len = std::min(kChunkBytes, span - off);
-    struct iovec iov[1] = {{row + off, len}};
-    const int64_t n = read_once(fd, iov, 1, static_cast<off_t>(kHeaderBytes + off));
+  int64_t total = 0;
+  for (size_t off = 0; off < span; off += piece) {
+    const size_t len = std::min(piece, span - off);
+    struct iovec iov[2] = {{header, kHeaderBytes}, {row + off, len}};
+    const bool first = off == 0;
+    const int64_t want = static_cast<int64_t>(len + (first ? kHeaderBytes : 0));
+    const int64_t n = read_once(fd, first ? iov : iov + 1, first ? 2 : 1,
+                                static_cast<off_t>(first ? 0 : kHeaderBytes + off));
     if (n < 0) return n;
     total += n;
-    if (n != static_cast<int64_t>(len)) return total;  // end of file: a short file
+    if (n != want) return total;  // end of file: a short file
     if (off < payload) hasher.update(row + off, std::min(len, payload - off));
   }
   digest = hasher.digest();
@@ -506,7 +512,8 @@ int64_t read_block(int fd, unsigned char* header, unsigned char* row, size_t pay
 }
 
 BatchResult load_read(const Values& fds, const std::vector<std::string>& keys, const Values& addrs,
-                      int64_t payload_bytes, int64_t span_bytes, int64_t version, bool fused) {
+                      int64_t payload_bytes, int64_t span_bytes, int64_t version,
+                      int64_t piece_bytes) {
   Values done;
   done.reserve(fds.size() + 1);
   unsigned char* header = header_page();
@@ -517,7 +524,7 @@ BatchResult load_read(const Values& fds, const std::vector<std::string>& keys, c
   for (size_t i = 0; i < fds.size(); ++i) {
     uint64_t digest = 0;
     const int64_t n = read_block(static_cast<int>(fds[i]), header, row_of(addrs[i]), payload, span,
-                                 fused, digest);
+                                 static_cast<size_t>(piece_bytes), digest);
     if (n < 0) return os_failure(std::move(done), static_cast<int>(-n), "read", "");
     // Same checks, in the same order and words, as kvcascade.tiers.fs.check_block.
     if (n != size) {
@@ -543,17 +550,17 @@ BatchResult load_read(const Values& fds, const std::vector<std::string>& keys, c
 
 BatchResult fs_load_read(const Values& fds, const std::vector<std::string>& keys,
                          const Values& addrs, int64_t payload_bytes, int64_t span_bytes,
-                         int64_t version, bool fused) {
+                         int64_t version, int64_t piece_bytes) {
   std::string error = check_batch("fs_load_read", fds.size(), keys.size(), addrs.size(),
-                                  payload_bytes, span_bytes, version);
+                                  payload_bytes, span_bytes, version, piece_bytes);
   if (error.empty()) error = check_addrs("fs_load_read", fds, addrs);
   for (size_t i = 0; error.empty() && i < fds.size(); ++i) {
     if (fds[i] < 0) error = cat("fs_load_read: fds[", static_cast<uint64_t>(i), "] is negative");
   }
   pybind11::gil_scoped_release no_gil;
-  BatchResult result = error.empty()
-                           ? load_read(fds, keys, addrs, payload_bytes, span_bytes, version, fused)
-                           : BatchResult{{}, kBadValue, std::move(error)};
+  BatchResult result =
+      error.empty() ? load_read(fds, keys, addrs, payload_bytes, span_bytes, version, piece_bytes)
+                    : BatchResult{{}, kBadValue, std::move(error)};
   for (int64_t fd : fds) close_quietly(fd);  // every fd given, whatever happened
   return result;
 }
@@ -590,7 +597,6 @@ uint64_t fs_xxh3(const std::string& data) { return xxh3(data.data(), data.size()
 void kvcascade_register_fs_io(pybind11::module_& m) {
   xxh3("", 0);  // pick the xxh3 kernel now, under the GIL, not racily on the first I/O threads
   m.attr("FS_EXISTS") = kExists;
-  m.attr("FS_CHUNK_BYTES") = static_cast<int64_t>(kChunkBytes);
   m.attr("FS_EXISTED") = kExisted;
   m.def("fs_store_open", &fs_store_open,
         "Per key: FS_EXISTS if check_exists and its block file exists, else the fd of "
@@ -602,7 +608,7 @@ void kvcascade_register_fs_io(pybind11::module_& m) {
         "bytes per block, error kind, message)",
         pybind11::arg("fds"), pybind11::arg("keys"), pybind11::arg("addrs"),
         pybind11::arg("payload_bytes"), pybind11::arg("span_bytes"), pybind11::arg("version"),
-        pybind11::arg("fused"));
+        pybind11::arg("piece_bytes"));
   m.def("fs_store_commit", &fs_store_commit,
         "Per opened block: close, rename <path><suffix> onto <path> (noreplace: keep an "
         "existing <path>, value FS_EXISTED); returns (values, error kind, message)",
@@ -622,7 +628,7 @@ void kvcascade_register_fs_io(pybind11::module_& m) {
         "(payload bytes per block, error kind, message)",
         pybind11::arg("fds"), pybind11::arg("keys"), pybind11::arg("addrs"),
         pybind11::arg("payload_bytes"), pybind11::arg("span_bytes"), pybind11::arg("version"),
-        pybind11::arg("fused"));
+        pybind11::arg("piece_bytes"));
   m.def("fs_block_paths", &fs_block_paths, "Block paths of keys under prefix",
         pybind11::arg("prefix"), pybind11::arg("keys"));
   m.def("fs_type", &fs_type, "statfs f_type of the filesystem holding path", pybind11::arg("path"));

@@ -982,17 +982,17 @@ async def test_compiled_ops_return_errors_instead_of_raising(tmp_path: Path, io_
     )
     missing = f"{prefix}{m.relative_path(key(1)).split('/', 1)[1]}"
     assert ext.fs_load_open(prefix, [key(1)], 0) == ([errno.ENOENT], 3, f"open:{missing}")
-    assert ext.fs_store_write([3], [b"k"], [], 4096, 4096, 2, True) == (
+    assert ext.fs_store_write([3], [b"k"], [], 4096, 4096, 2, 0) == (
         [],
         1,
         "fs_store_write: lengths differ: fds 1, keys 1, addrs 0",
     )
-    assert ext.fs_load_read([-1], [b"k"], [4096], 4096, 4096, 2, True) == (
+    assert ext.fs_load_read([-1], [b"k"], [4096], 4096, 4096, 2, 0) == (
         [],
         1,
         "fs_load_read: fds[0] is negative",
     )
-    assert ext.fs_store_write([], [], [], 4096, 100, 2, True)[1:] == (
+    assert ext.fs_store_write([], [], [], 4096, 100, 2, 0)[1:] == (
         1,
         "fs_store_write: span_bytes must be a multiple of 4096 >= payload_bytes (4096), got 100",
     )

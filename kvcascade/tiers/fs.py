@@ -92,12 +92,16 @@ _MAGIC = b"KVCB"
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _TMPFS_MAGIC = 0x01021994
 """``statfs`` ``f_type`` of tmpfs: O_DIRECT there is still a CPU copy, so I/O is fused."""
+FUSED_PIECE_BYTES = 256 << 10
+"""Where I/O is a CPU copy (tmpfs, buffered): bytes per read or write of a block, each hashed
+while in the CPU cache (``kernels/fs_io.cpp``)."""
 COMPILED_BATCH = 64
 """Most blocks per call of the compiled helpers (bounds the files a job holds open at once)."""
 COMPILED_STORE_BYTES = 1 << 20
-"""Bytes of rows per compiled store call (1 to :data:`COMPILED_BATCH` blocks): a call opens all
-its temp files before writing any, which measured up to 20 % slower for 1–4 MiB blocks with
-O_DIRECT on ext4 than one block at a time; small blocks gain from batching."""
+"""With O_DIRECT on a device: bytes of rows per compiled store call (1 to
+:data:`COMPILED_BATCH` blocks). A call opens all its temp files before writing any, which
+measured up to 20 % slower for 1–4 MiB blocks with O_DIRECT on ext4 than one block at a time;
+small blocks, and every size where I/O is a CPU copy (tmpfs, buffered), gain from batching."""
 _OS_ERROR, _CORRUPT = 3, 4  # error kinds of the fs ops (kernels/kvc_result.h)
 
 if PAGE_SIZE % ALIGN:
@@ -461,7 +465,9 @@ class FileSystemTier(SecondaryTier):
         if ext is None:
             return self._store_blocks_py(keys, rows)
         assert isinstance(rows, _Rows)
-        per_call = max(1, min(COMPILED_BATCH, COMPILED_STORE_BYTES // self._span))
+        per_call = COMPILED_BATCH
+        if not self._fused:  # O_DIRECT on a device
+            per_call = max(1, min(COMPILED_BATCH, COMPILED_STORE_BYTES // self._span))
         written = 0
         for lo in range(0, len(keys), per_call):
             hi = min(lo + per_call, len(keys))
@@ -511,7 +517,7 @@ class FileSystemTier(SecondaryTier):
                     self.host.block_bytes,
                     self._span,
                     FORMAT_VERSION,
-                    self._fused,
+                    FUSED_PIECE_BYTES if self._fused else 0,
                 )
             failure = _failure(done, kind, message) or failure
             n = len(done)
@@ -654,7 +660,7 @@ class FileSystemTier(SecondaryTier):
                         self.host.block_bytes,
                         self._span,
                         FORMAT_VERSION,
-                        self._fused,
+                        FUSED_PIECE_BYTES if self._fused else 0,
                     )
             finally:
                 for fd in fds:  # not handed over (the job passed its deadline)
