@@ -39,10 +39,13 @@
 // index is values.size() - 1): its errno for kOsError (message "<call>:<file>"), 0 for kCorrupt
 // (message: what is wrong). Batches stop at the first failing block.
 
-#include <errno.h>
-#include <fcntl.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+
+#if defined(__linux__)  // O_PATH, renameat2, statfs: elsewhere the module has no fs ops
+
+#include <errno.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
@@ -634,3 +637,9 @@ void kvcascade_register_fs_io(pybind11::module_& m) {
   m.def("fs_type", &fs_type, "statfs f_type of the filesystem holding path", pybind11::arg("path"));
   m.def("fs_xxh3", &fs_xxh3, "xxh3-64 of bytes", pybind11::arg("data"));
 }
+
+#else  // not Linux: the fs tier moves blocks in pure Python
+
+void kvcascade_register_fs_io(pybind11::module_& m) { (void)m; }
+
+#endif

@@ -1025,3 +1025,22 @@ async def test_store_of_a_present_key_keeps_the_file(
         assert (await load(tier, [1], [5])).success and bytes(host.row(5)) == pattern(1)
         if max_bytes is not None:
             assert tier.used_bytes == 3 * file_size(BLOCK)
+
+
+async def test_a_mapper_with_other_paths_keeps_the_python_mover(
+    tmp_path: Path, host: kc.HostBuffer, io_path: str
+) -> None:
+    """The compiled helpers build FileMapper's paths themselves; a mapper that lays files out
+    otherwise is checked at first use and its tier moves blocks in Python, at its own paths."""
+
+    class FlatMapper(FileMapper):
+        def relative_path(self, key: bytes) -> str:
+            return f"{self.namespace}/{key.hex()}.bin"
+
+    tier = FileSystemTier(host, tmp_path, FlatMapper(default_identity()))
+    async with running(tier):
+        assert (await store(tier, host, [1, 2])).success
+        assert tier.compiled_io is False or io_path == "python"
+        assert Path(tier.path_of(key(1))).parent == tier.data_dir
+        assert (await load(tier, [1, 2], [5, 6])).success
+        assert [bytes(host.row(s)) for s in (5, 6)] == [pattern(1), pattern(2)]

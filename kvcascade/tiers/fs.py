@@ -253,8 +253,8 @@ class FileSystemTier(SecondaryTier):
         self._span = round_up(host.block_bytes, ALIGN)
         self._base = host.tensor().data_ptr()  # address of row 0 (the mmap never moves)
         self._data_prefix = os.path.join(self._prefix, mapper.namespace, "")
-        # The helpers take str paths (UTF-8); a root that cannot be encoded stays in Python.
-        self.compiled_io = compiled_io and _utf8(self._prefix)
+        # The helpers take str paths (UTF-8); a path that cannot be encoded stays in Python.
+        self.compiled_io = compiled_io and _utf8(self._data_prefix)
         self._fused: bool | None = None  # decided on first compiled use (needs fs_type)
         if self.compiled_io:
             compiled_fs_io()  # start loading the extension now, not on the first job
