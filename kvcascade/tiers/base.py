@@ -403,7 +403,8 @@ class SecondaryTier(ABC):
         ``for_thread``: a thread asks for its next work; a native one is left to the loop."""
         if self.io_threads == 1:
             prefer_load = self._single_slot_prefers_load
-            self._single_slot_prefers_load = not prefer_load
+            if self._loads or self._stores:  # a thread finding nothing to do is no turn
+                self._single_slot_prefers_load = not prefer_load
         else:
             prefer_load = slot % 2 == 0
         first, second = (self._loads, self._stores) if prefer_load else (self._stores, self._loads)
