@@ -1044,3 +1044,26 @@ async def test_a_mapper_with_other_paths_keeps_the_python_mover(
         assert Path(tier.path_of(key(1))).parent == tier.data_dir
         assert (await load(tier, [1, 2], [5, 6])).success
         assert [bytes(host.row(s)) for s in (5, 6)] == [pattern(1), pattern(2)]
+
+
+async def test_store_job_failing_twice_midway_cleans_up(tmp_path: Path) -> None:
+    """A 20-block store job into a full filesystem whose last block's directory is squatted by
+    a plain file: the first failure in order (ENOSPC) fails the job, the blocks before it are
+    stored whole, and no temp file or partial file is left."""
+    host = kc.HostBuffer(20, BLOCK)
+    try:
+        with small_tmpfs(tmp_path / "mnt", "128k") as root:
+            tier = make_tier(root, host)
+            async with running(tier):
+                squat = Path(tier.path_of(key(19))).parent
+                squat.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                squat.write_bytes(b"")
+                result = await store(tier, host, list(range(20)))
+                assert not result.success and "No space left" in (result.error or "")
+                stored = result.successful_keys or []
+                assert 0 < len(stored) < 19 and stored == [key(i) for i in range(len(stored))]
+                assert files(root, ".tmp") == []
+                assert {p.stat().st_size for p in files(root, ".bin")} == {file_size(BLOCK)}
+                assert len(files(root, ".bin")) == len(stored)
+    finally:
+        host.close()

@@ -530,8 +530,8 @@ class FileSystemTier(SecondaryTier):
         finally:
             rest = [fd if j >= handled else exists for j, fd in enumerate(fds)]
             if any(fd != exists for fd in rest):
-                errors, _, _ = ext.fs_store_abort(rest, prefix, batch, suffix)
-                for key, err in zip(batch, errors, strict=True):
+                errors, _, _ = ext.fs_store_abort(rest, prefix, batch[: len(rest)], suffix)
+                for key, err in zip(batch, errors, strict=False):
                     if err:
                         tmp = self.path_of(key) + suffix
                         log.warning("fs tier: could not delete %s: %s", tmp, os.strerror(err))
