@@ -4,7 +4,14 @@ Lag = how late a callback scheduled with ``call_later(1 ms)`` runs. A sampler me
 continuously while the cascade stores N blocks GPU → CPU → fs and then promotes them back
 fs → CPU → GPU. Prints p50 / p99 / max lag (ms) for each phase and the traffic's GB/s.
 
+Baseline, measured in the same run: the same sampler on a bare asyncio loop while N threads
+that hold no GIL copy memory (64 MiB memcpy in a loop), N = the run's fs I/O threads + the
+device copy thread. It is what the machine's scheduler alone gives a loop thread competing with
+that many busy threads: when the cores are oversubscribed the lag is the OS's, not the
+cascade's (on 2 cores: 2 busy threads p99 ≈ 0.5 ms, 3 ≈ 3 ms, 4 ≈ 6 ms).
+
     python benchmarks/loop_lag.py [--root /dev/shm] [--block-mib 1] [--blocks 1024]
+                                  [--io-threads 4]
 
 Like a serving process after start-up (vLLM does the same), it calls ``gc.freeze()`` once the
 heavy modules are imported: a full garbage collection walking torch's objects otherwise stalls
@@ -18,9 +25,11 @@ import argparse
 import asyncio
 import gc
 import tempfile
+import threading
 import time
 
 import numpy as np
+import torch
 
 import kvcascade as kc
 
@@ -39,8 +48,41 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values) * 1e3, q)) if values else float("nan")
 
 
-async def main(root: str, block_bytes: int, blocks: int, batch: int) -> None:
-    tiers = [{"type": "fs", "root_dir": root, "io_threads": 4}]
+async def baseline(busy_threads: int, seconds: float = 2.0) -> list[float]:
+    """Lag samples of a bare loop while ``busy_threads`` GIL-free threads copy memory."""
+    stop = threading.Event()
+
+    def burn() -> None:
+        a = torch.empty(64 << 20, dtype=torch.int8)
+        b = torch.empty_like(a)
+        descriptors = (torch.tensor([a.data_ptr()]), torch.tensor([b.data_ptr()]))
+        size = torch.tensor([a.numel()])
+        while not stop.is_set():
+            kc.batch_copy(*descriptors, size)
+
+    threads = [threading.Thread(target=burn) for _ in range(busy_threads)]
+    for t in threads:
+        t.start()
+    samples: list[float] = []
+    done = asyncio.Event()
+    sampler = asyncio.create_task(sample_lag(samples, done))
+    await asyncio.sleep(seconds)
+    done.set()
+    await sampler
+    stop.set()
+    for t in threads:
+        t.join()
+    return samples
+
+
+async def main(root: str, block_bytes: int, blocks: int, batch: int, io_threads: int) -> None:
+    busy = io_threads + 1
+    ref = await baseline(busy)
+    print(
+        f"baseline: bare loop, {busy} busy memcpy threads; loop lag ms p50 {pct(ref, 50):.3f}  "
+        f"p99 {pct(ref, 99):.3f}  max {pct(ref, 100):.3f}  ({len(ref)} samples)"
+    )
+    tiers = [{"type": "fs", "root_dir": root, "io_threads": io_threads}]
     config = kc.CascadeConfig(
         block_bytes=block_bytes, gpu_blocks=batch, cpu_blocks=batch * 2, secondary_tiers=tiers
     )
@@ -81,8 +123,11 @@ if __name__ == "__main__":
     parser.add_argument("--block-mib", type=float, default=1.0)
     parser.add_argument("--blocks", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--io-threads", type=int, default=4, help="fs tier I/O threads")
     args = parser.parse_args()
     gc.collect()
     gc.freeze()
     with tempfile.TemporaryDirectory(dir=args.root) as tmp:
-        asyncio.run(main(tmp, int(args.block_mib * (1 << 20)), args.blocks, args.batch))
+        asyncio.run(
+            main(tmp, int(args.block_mib * (1 << 20)), args.blocks, args.batch, args.io_threads)
+        )

@@ -217,6 +217,12 @@ def test_batch_copy_host_split_inside_one_descriptor() -> None:
     sizes = torch.tensor([5, 0, big.numel(), 0], dtype=torch.int64)
     assert batch_copy(src, dst, sizes) == 5 + big.numel()
     assert torch.equal(out_big, big) and torch.equal(out_small, small)
+    ext = _build.load_extension()
+    if ext is not None:  # 4 threads whatever the core count (auto: one core fewer than present)
+        out_big.zero_()
+        out_small.zero_()
+        assert ext.batch_copy(src, dst, sizes, max_threads=4) == (5 + big.numel(), 0, "")
+        assert torch.equal(out_big, big) and torch.equal(out_small, small)
     # same through the ctypes fallback
     out_big.zero_()
     out_small.zero_()
