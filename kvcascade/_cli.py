@@ -93,13 +93,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     rp.add_argument(
         "--capacities",
-        default="0.01,0.05,0.1",
+        default=None,
         help="with --compare-policies: cache sizes as fractions of the trace's unique blocks "
         "(default 0.01,0.05,0.1)",
     )
     rp.add_argument(
         "--hints",
-        default="none",
+        default=None,
         help="with --compare-policies: 'none' or 'oracle[:noise]' — continues-hints read off "
         "the trace, a fraction 'noise' of them flipped (seeded by --seed)",
     )
@@ -109,7 +109,9 @@ def _parser() -> argparse.ArgumentParser:
         help="with --compare-policies: store partial last blocks and skip the closing touch "
         "(issue #9's baseline model)",
     )
-    rp.add_argument("--seed", type=_nonneg_int, default=0, help="seed of --hints noise")
+    rp.add_argument(
+        "--seed", type=_nonneg_int, default=None, help="seed of --hints noise (default 0)"
+    )
     cal = sub.add_parser(
         "calibrate",
         help="measure the copy kernels on this machine and write the kernel-choice thresholds",
@@ -211,7 +213,14 @@ def _check_writable(path: str | None) -> None:
         raise ConfigError(f"--json {path}: directory {parent} does not exist or is not writable")
 
 
+_COMPARE_ONLY = {"capacities": "--capacities", "hints": "--hints", "seed": "--seed"}
+
+
 def _replay(args: argparse.Namespace) -> int:
+    given = [flag for name, flag in _COMPARE_ONLY.items() if getattr(args, name) is not None]
+    given += ["--no-free-rules"] if args.no_free_rules else []
+    if given:
+        raise ConfigError(f"{', '.join(given)}: only meaningful with --compare-policies")
     _check_writable(args.json_path)
     config = build_replay_config(args)
     trace = read_trace(args.trace or bundled_trace(), limit=args.requests)
@@ -242,6 +251,9 @@ def _replay(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from ._compare import compare, format_comparison
 
+    args.capacities = args.capacities or "0.01,0.05,0.1"
+    args.hints = args.hints or "none"
+    args.seed = args.seed or 0
     try:
         fractions = [float(x) for x in args.capacities.split(",") if x.strip()]
     except ValueError:

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 
 from ._config import CascadeConfig
+from ._errors import TierUnavailableError
+from ._keys import _GROUP_BYTES
 from ._types import LookupResult, OffloadingEvent, ReqContext
 from .coordinator import TieringCoordinator
 from .index.cpu import CPUOffloadingManager
@@ -90,6 +92,7 @@ class Cascade:
 
     def __init__(self, config: CascadeConfig) -> None:
         self.config = config
+        self._closed = False
         self.host = HostBuffer(config.num_cpu_blocks, config.block_bytes)
         self.primary = CPUOffloadingManager(
             config.num_cpu_blocks, config.eviction_policy, enable_events=config.enable_events
@@ -123,7 +126,7 @@ class Cascade:
         before :meth:`load`. A key whose write is in flight for another request counts as
         available: :meth:`load` waits for that write instead of issuing a second one.
         """
-        _check_request(keys, ctx)
+        self._check(keys, ctx)
         coord = self.coordinator
         absent = [k for k in keys if self.primary.get_block(k) is None]
         found: list[dict[bytes, bool]] = []
@@ -166,7 +169,7 @@ class Cascade:
         Raises:
             TypeError / ValueError: see :func:`_check_request` (bad keys, ctx or GPU ids).
         """
-        _check_request(keys, ctx, gpu_ids)
+        self._check(keys, ctx, gpu_ids)
         coord = self.coordinator
         coord.on_schedule_end()
         waits: list[asyncio.Future[Any]] = coord.job_futures(promotions=True, keys=keys)
@@ -209,7 +212,7 @@ class Cascade:
         Raises:
             TypeError / ValueError: see :func:`_check_request` (bad keys, ctx or GPU ids).
         """
-        _check_request(keys, ctx, gpu_ids)
+        self._check(keys, ctx, gpu_ids)
         coord = self.coordinator
         out = coord.prepare_store(keys, ctx)
         if out is None and (cascades := coord.job_futures(promotions=False)):
@@ -251,12 +254,17 @@ class Cascade:
         Raises:
             TypeError / ValueError: see :func:`_check_request`.
         """
-        _check_request(keys, ctx)
+        self._check(keys, ctx)
         self.coordinator.touch(keys, ctx)
 
     def finish_request(self, ctx: ReqContext) -> None:
         """The request will submit nothing more (finished or cancelled): release its pins and
-        tell the coordinator."""
+        tell the coordinator.
+
+        Raises:
+            TypeError: ``ctx`` is not a :class:`ReqContext`.
+        """
+        _check_ctx(ctx)
         self.coordinator.on_request_finished(ctx)
 
     async def wait_cascades(self) -> None:
@@ -272,8 +280,27 @@ class Cascade:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _release(self) -> None:
+        self._closed = True
         self.device.close()
         self.host.close()
+
+    def _check(self, keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Any = None) -> None:
+        """:func:`_check_request`, plus: the cascade is open and every GPU id is a block.
+
+        Raises:
+            TierUnavailableError: the cascade was closed (its ``async with`` ended).
+            TypeError / ValueError: see :func:`_check_request`; a GPU id outside
+                ``[0, gpu_blocks)``.
+        """
+        if self._closed:
+            raise TierUnavailableError("the cascade is closed")
+        _check_request(keys, ctx, gpu_ids)
+        if gpu_ids is not None and len(gpu_ids):
+            ids = np.asarray(gpu_ids, dtype=np.int64)
+            n = self.device.kv.shape[0]
+            bad = ids[(ids < 0) | (ids >= n)]
+            if len(bad):
+                raise ValueError(f"GPU block ids out of range [0, {n}): {bad[:8].tolist()}")
 
 
 def _check_request(keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Any = None) -> None:
@@ -282,15 +309,20 @@ def _check_request(keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Any = None) 
     Raises:
         TypeError: ``keys`` is not a sequence of ``bytes`` (a single key, str or int keys),
             ``ctx`` is not a :class:`ReqContext`, or a GPU id is not an integer.
-        ValueError: ``keys`` and ``gpu_ids`` differ in length.
+        ValueError: ``keys`` and ``gpu_ids`` differ in length, or a key is too short to be an
+            offload key (block hash + 4-byte group index, :func:`kvcascade.make_offload_key`).
     """
     if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Sequence):
         raise TypeError(f"keys must be a sequence of offload keys (bytes), got {keys!r:.80}")
     for key in keys:
         if not isinstance(key, bytes):
             raise TypeError(f"offload keys must be bytes, got {type(key).__name__} {key!r:.40}")
-    if not isinstance(ctx, ReqContext):
-        raise TypeError(f"ctx must be a kvcascade.ReqContext, got {type(ctx).__name__}")
+        if len(key) <= _GROUP_BYTES:
+            raise ValueError(
+                f"offload key too short ({len(key)} bytes: {key!r:.40}); build keys with "
+                "kvcascade.make_offload_key(block_hash, group_idx)"
+            )
+    _check_ctx(ctx)
     if gpu_ids is None:
         return
     if len(keys) != len(gpu_ids):
@@ -298,6 +330,11 @@ def _check_request(keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Any = None) 
     for gpu_id in gpu_ids:
         if isinstance(gpu_id, bool) or not isinstance(gpu_id, (int, np.integer)):
             raise TypeError(f"GPU block ids must be integers, got {gpu_id!r}")
+
+
+def _check_ctx(ctx: object) -> None:
+    if not isinstance(ctx, ReqContext):
+        raise TypeError(f"ctx must be a kvcascade.ReqContext, got {type(ctx).__name__}")
 
 
 async def _uncancellable(copy: asyncio.Future[DeviceTransfer]) -> DeviceTransfer:

@@ -7,6 +7,7 @@ import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import pytest
 import torch
 from tier_helpers import running
 
@@ -434,6 +435,9 @@ async def test_cascade_api_rejects_arguments_that_would_do_the_wrong_thing() -> 
             (["k"], [0], TypeError, "must be bytes, got str"),
             ([key(1)], [1.5], TypeError, "1.5"),
             ([key(1)], [0, 1], ValueError, "1 keys but 2"),
+            ([b"x"], [0], ValueError, "offload key too short (1 bytes"),
+            ([key(1)], [4], ValueError, "GPU block ids out of range [0, 4): [4]"),
+            ([key(1), key(2)], [-1, 0], ValueError, "out of range [0, 4): [-1]"),
         ]:
             try:
                 await cascade.store(keys, ctx, ids)
@@ -445,7 +449,16 @@ async def test_cascade_api_rejects_arguments_that_would_do_the_wrong_thing() -> 
             await cascade.lookup_prefix([key(1)], None)  # type: ignore[arg-type]
         except TypeError as exc:
             assert "ReqContext" in str(exc)
+        with pytest.raises(TypeError, match=r"ctx must be a kvcascade\.ReqContext, got str"):
+            cascade.finish_request("a")  # type: ignore[arg-type]
         assert cascade.primary.num_free == 4
+    for call in (
+        cascade.store([key(1)], ctx, [0]),
+        cascade.lookup_prefix([key(1)], ctx),
+        cascade.load([key(1)], ctx, [0]),
+    ):  # after the ``async with``: every call refuses the same way
+        with pytest.raises(kc.TierUnavailableError, match="the cascade is closed"):
+            await call
 
 
 async def test_a_prefix_key_evicted_by_its_own_promotions_is_found_in_the_secondary() -> None:

@@ -4,8 +4,10 @@ Real cascades on a real directory: run requests, close, reopen on the same fs ro
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import os
 import stat
 from pathlib import Path
 
@@ -109,6 +111,28 @@ async def test_corrupt_or_incompatible_state_starts_fresh_with_a_warning(
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert any("ignoring cache-policy state" in r.getMessage() for r in warnings)
     TurnAwareCachePolicy(4).load_state(path)  # overwritten with a valid state at shutdown
+
+
+async def test_a_fifo_in_place_of_the_state_file_is_ignored_not_opened(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A FIFO would block ``open`` forever (found by a tester: start-up hung): it is refused
+    as not a regular file, the policy starts fresh, and shutdown replaces it with a state."""
+    async with kc.open_cascade(_config(tmp_path)) as cascade:
+        await _converse(cascade, conversations=2, turns=2)
+    path = _state_file(tmp_path)
+    path.unlink()
+    os.mkfifo(path)
+    with caplog.at_level(logging.WARNING, logger="kvcascade"):
+
+        async def reopen() -> None:
+            async with kc.open_cascade(_config(tmp_path)) as again:
+                assert again.primary.policy.state() == TurnAwareCachePolicy(4).state()
+
+        await asyncio.wait_for(reopen(), 60)
+    assert any("not a regular file" in r.getMessage() for r in caplog.records)
+    assert path.is_file()
+    TurnAwareCachePolicy(4).load_state(path)
 
 
 async def test_a_policy_without_state_writes_no_file(tmp_path: Path) -> None:

@@ -209,6 +209,12 @@ def test_json_report_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
             ["replay", "--requests", "2", "--config", '{"secondary_tiers": [{"type": "tape"}]}'],
             "tape",
         ),
+        (
+            ["replay", "--requests", "2", "--hints", "oracle:0.1", "--no-free-rules"],
+            "--hints, --no-free-rules: only meaningful with --compare-policies",
+        ),
+        (["replay", "--requests", "2", "--capacities", "0"], "--capacities: only meaningful"),
+        (["replay", "--compare-policies", "lru", "--hints", "oracle:2"], "within [0, 1], got 2"),
     ],
 )
 def test_bad_input_is_one_clear_error(
