@@ -539,7 +539,19 @@ class SecondaryTier(ABC):
         if error is None:
             result = JobResult(job.job_id, True, transfer_size=outcome, transfer_time=elapsed)
         elif isinstance(error, TransferError):
-            self.counters["load_failures" if job.is_promotion else "store_failures"] += 1
+            kind = "load_failures" if job.is_promotion else "store_failures"
+            self.counters[kind] += 1
+            # the first of each kind is a warning (a full disk fails every job: no flood)
+            level = logging.WARNING if self.counters[kind] == 1 else logging.DEBUG
+            log.log(
+                level,
+                "tier %s: job %d: %s (%s so far: %d)",
+                self.name,
+                job.job_id,
+                error,
+                kind,
+                self.counters[kind],
+            )
             result = JobResult(
                 job.job_id,
                 False,
