@@ -215,6 +215,7 @@ def test_json_report_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         ),
         (["replay", "--requests", "2", "--capacities", "0"], "--capacities: only meaningful"),
         (["replay", "--compare-policies", "lru", "--hints", "oracle:2"], "within [0, 1], got 2"),
+        (["replay", "--requests", "2", "--fs-dir", "/dev/null"], "exists and is not a directory"),
     ],
 )
 def test_bad_input_is_one_clear_error(

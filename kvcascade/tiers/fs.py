@@ -204,8 +204,8 @@ class FileSystemTier(SecondaryTier):
 
     Raises:
         OSError: ``root_dir`` or the namespace's ``config.json`` cannot be created.
-        ConfigError: ``config.json`` exists with another identity (a digest collision), or
-            ``max_bytes`` is not positive.
+        ConfigError: ``config.json`` exists with another identity (a digest collision),
+            ``max_bytes`` is not positive, or ``root_dir`` exists and is not a directory.
     """
 
     def __init__(
@@ -234,6 +234,8 @@ class FileSystemTier(SecondaryTier):
         self.mapper = mapper
         self.max_bytes = max_bytes
         self.block_file_bytes = file_size(host.block_bytes)
+        if self.root.exists() and not self.root.is_dir():
+            raise ConfigError(f"fs tier root_dir {str(self.root)!r} exists and is not a directory")
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._prefix = os.path.join(self.root, "")
         self._write_config()
