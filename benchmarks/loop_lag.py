@@ -11,7 +11,11 @@ that many busy threads: when the cores are oversubscribed the lag is the OS's, n
 cascade's (on 2 cores: 2 busy threads p99 ≈ 0.5 ms, 3 ≈ 3 ms, 4 ≈ 6 ms).
 
     python benchmarks/loop_lag.py [--root /dev/shm] [--block-mib 1] [--blocks 1024]
-                                  [--io-threads 4]
+                                  [--io-threads 4] [--rounds 8]
+
+Each round stores and loads ``--blocks`` fresh blocks in a new cascade on a fresh directory; the
+percentiles are over every round's samples (one round of 1 GiB lasts < 1 s here: ~400 samples,
+too few for a stable p99).
 
 Like a serving process after start-up (vLLM does the same), it calls ``gc.freeze()`` once the
 heavy modules are imported: a full garbage collection walking torch's objects otherwise stalls
@@ -75,18 +79,17 @@ async def baseline(busy_threads: int, seconds: float = 2.0) -> list[float]:
     return samples
 
 
-async def main(root: str, block_bytes: int, blocks: int, batch: int, io_threads: int) -> None:
-    busy = io_threads + 1
-    ref = await baseline(busy)
-    print(
-        f"baseline: bare loop, {busy} busy memcpy threads; loop lag ms p50 {pct(ref, 50):.3f}  "
-        f"p99 {pct(ref, 99):.3f}  max {pct(ref, 100):.3f}  ({len(ref)} samples)"
-    )
+async def one_round(
+    root: str, block_bytes: int, blocks: int, batch: int, io_threads: int
+) -> dict[str, tuple[list[float], float]]:
+    """Store ``blocks`` fresh blocks GPU → CPU → fs, then load them back fs → CPU → GPU, in a
+    new cascade on ``root``; per phase: (lag samples, seconds)."""
     tiers = [{"type": "fs", "root_dir": root, "io_threads": io_threads}]
     config = kc.CascadeConfig(
         block_bytes=block_bytes, gpu_blocks=batch, cpu_blocks=batch * 2, secondary_tiers=tiers
     )
     keys = [kc.make_offload_key(i.to_bytes(8, "big"), 0) for i in range(blocks)]
+    out: dict[str, tuple[list[float], float]] = {}
     async with kc.open_cascade(config) as cascade:
         await cascade.store(keys[:1], kc.ReqContext("warm"), [0])  # builds/loads the kernels
         await cascade.wait_cascades()
@@ -109,25 +112,46 @@ async def main(root: str, block_bytes: int, blocks: int, batch: int, io_threads:
             seconds = time.perf_counter() - start
             stop.set()
             await sampler
-            gb = blocks * block_bytes / 1e9
-            print(
-                f"{phase:>5}: {gb:.2f} GB in {seconds:.2f} s ({gb / seconds:.2f} GB/s through the "
-                f"fs tier); loop lag ms p50 {pct(samples, 50):.3f}  p99 {pct(samples, 99):.3f}  "
-                f"max {pct(samples, 100):.3f}  ({len(samples)} samples)"
-            )
+            out[phase] = (samples, seconds)
+    return out
+
+
+async def main(args: argparse.Namespace) -> None:
+    block_bytes = int(args.block_mib * (1 << 20))
+    busy = args.io_threads + 1
+    ref = await baseline(busy, seconds=args.baseline_s)
+    print(
+        f"baseline: bare loop, {busy} busy memcpy threads; loop lag ms p50 {pct(ref, 50):.3f}  "
+        f"p99 {pct(ref, 99):.3f}  max {pct(ref, 100):.3f}  ({len(ref)} samples)"
+    )
+    phases: dict[str, tuple[list[float], list[float]]] = {"store": ([], []), "load": ([], [])}
+    for _ in range(args.rounds):
+        with tempfile.TemporaryDirectory(dir=args.root) as tmp:
+            result = await one_round(tmp, block_bytes, args.blocks, args.batch, args.io_threads)
+        for phase, (samples, seconds) in result.items():
+            phases[phase][0].extend(samples)
+            phases[phase][1].append(seconds)
+    gb = args.blocks * block_bytes / 1e9
+    for phase, (samples, seconds) in phases.items():
+        print(
+            f"{phase:>5}: {args.rounds} x {gb:.2f} GB, {gb * len(seconds) / sum(seconds):.2f} GB/s "
+            f"through the fs tier; loop lag ms p50 {pct(samples, 50):.3f}  "
+            f"p99 {pct(samples, 99):.3f}  max {pct(samples, 100):.3f}  ({len(samples)} samples)"
+        )
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", default=None, help="fs tier directory (default: a temp dir)")
     parser.add_argument("--block-mib", type=float, default=1.0)
-    parser.add_argument("--blocks", type=int, default=1024)
+    parser.add_argument("--blocks", type=int, default=1024, help="blocks moved per phase")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--io-threads", type=int, default=4, help="fs tier I/O threads")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--rounds", type=int, default=8, help="store + load rounds, each in a fresh cascade"
+    )
+    parser.add_argument("--baseline-s", type=float, default=4.0, help="baseline seconds")
+    cli = parser.parse_args()
     gc.collect()
     gc.freeze()
-    with tempfile.TemporaryDirectory(dir=args.root) as tmp:
-        asyncio.run(
-            main(tmp, int(args.block_mib * (1 << 20)), args.blocks, args.batch, args.io_threads)
-        )
+    asyncio.run(main(cli))
