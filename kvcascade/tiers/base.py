@@ -41,11 +41,12 @@ page cache) and the checksum would delay the event loop — and the forward pass
 time slice (several ms). With ``io_priority="idle"`` (the default) each I/O thread runs under
 Linux's ``SCHED_IDLE`` policy: it uses every otherwise idle CPU cycle, and any normal thread
 that wakes up (the loop thread, the scheduler, a tokenizer) runs first, on that thread's core.
-Measured with ``benchmarks/loop_lag.py`` (2 cores, tmpfs): the loop's p99 lag while 1 GiB is
-stored went from 2.6–3.7 ms to 1.0–1.4 ms. Offload is background work and a load that
-waits too long fails at its deadline (the block is recomputed), so the cost of being last in
-line is bounded; ``io_priority="normal"`` keeps the threads at the process's priority (e.g. a
-machine whose cores are saturated by normal threads that must still offload at full rate).
+Measured with ``benchmarks/loop_lag.py`` (2 cores, tmpfs, 4 I/O threads): the loop's p99 lag
+while 1 GiB is stored went from 3.5–3.7 ms to 1.0–1.1 ms. Offload is background work and a
+load that waits too long fails at its deadline (the block is recomputed), so the cost of being
+last in line is bounded; ``io_priority="normal"`` keeps the threads at the process's priority, for a
+machine whose cores are all kept busy by normal threads that must still offload at full rate
+(e.g. more GPU worker processes than cores, each spinning in CUDA's default synchronisation).
 Elsewhere than Linux, or where the system refuses the policy, threads keep normal priority.
 
 Thread rules: the synchronous façade runs on the event-loop thread (a scheduler on another thread
