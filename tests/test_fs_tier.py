@@ -804,6 +804,36 @@ async def test_enospc_fails_cleanly_and_loads_keep_working(
             assert {p.stat().st_size for p in files(root, ".bin")} == {file_size(BLOCK)}
             assert (await load(tier, ok, list(range(4, 4 + len(ok))))).success
             assert [bytes(host.row(4 + n)) for n in range(len(ok))] == [pattern(i) for i in ok]
+            # A block already stored is a store hit even with no room for a temp file.
+            again = await store(tier, host, [ok[0], ok[-1]], [0, 1])
+            assert again.success, again.error
+            assert files(root, ".tmp") == []
+
+
+async def test_read_only_filesystem_store_hits_and_misses(
+    tmp_path: Path, host: kc.HostBuffer
+) -> None:
+    """Issue #5 (failure behaviour): on a filesystem remounted read-only, a store of blocks
+    already there succeeds (a store hit, as in vLLM's fs tier, which checks existence first),
+    a store of a new block fails with EROFS after the present ones before it, and loads go on."""
+    with small_tmpfs(tmp_path / "mnt", "4m") as root:
+        tier = make_tier(root, host)
+        async with running(tier):
+            assert (await store(tier, host, [1, 2, 3])).success
+            remount = subprocess.run(
+                ["mount", "-o", "remount,ro", str(root)], capture_output=True, text=True
+            )
+            assert remount.returncode == 0, remount.stderr
+            hit = await store(tier, host, [3, 1, 2], [3, 4, 5])
+            assert hit.success, hit.error
+            mixed = await tier.submit_store(
+                job([key(1), key(2), key(7), key(3)], [4, 5, 6, 3], False)
+            )
+            assert not mixed.success and "Read-only file system" in mixed.error
+            assert list(mixed.successful_keys or []) == [key(1), key(2)]
+            assert (await load(tier, [1, 2, 3], [8, 9, 10])).success
+            assert [bytes(host.row(s)) for s in (8, 9, 10)] == [pattern(i) for i in (1, 2, 3)]
+            assert await tier.contains([key(7)]) == [False]
 
 
 async def test_concurrent_writers_of_the_same_keys(tmp_path: Path) -> None:

@@ -487,7 +487,9 @@ class FileSystemTier(SecondaryTier):
 
         Same outcome as :meth:`_store_one` over each block in turn: the blocks before the first
         failing one are stored and recorded; the failing one and the later ones leave no file
-        and no reservation.
+        and no reservation. A block whose write failed (a read-only or full filesystem) while
+        its file is present — written before, or by another writer meanwhile — is a store hit,
+        as :meth:`_store_one` finds it before writing, and the batch goes on after it.
 
         Raises:
             TransferError: a block failed (its OSError as the cause; the keys before it
@@ -557,6 +559,12 @@ class FileSystemTier(SecondaryTier):
                 written += self.host.block_bytes
         if failure is not None:
             i, exc = failure
+            if os.path.exists(self.path_of(batch[i])):
+                self._record(batch[i], self.block_file_bytes, reserved=False)
+                rest = lo + i + 1
+                return written + (
+                    self._store_batch(ext, keys, addresses, rest, hi) if rest < hi else 0
+                )
             raise TransferError(
                 f"fs store of block {lo + i} failed: {exc}", keys[: lo + i]
             ) from exc
