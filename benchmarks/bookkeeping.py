@@ -102,8 +102,9 @@ def _vllm(policy: str, capacity: int) -> tuple[Any, Callable[[str], Any], Any]:
     )
 
 
-def measure(factory: Callable, policy: str, capacity: int, batch: int, keys: list[bytes],
-            runs: int) -> dict[str, Any]:
+def measure(
+    factory: Callable, policy: str, capacity: int, batch: int, keys: list[bytes], runs: int
+) -> dict[str, Any]:
     """Best/median µs per key over ``runs`` fresh managers, plus hits and the eviction digest."""
     times = []
     for _ in range(runs):
@@ -111,8 +112,13 @@ def measure(factory: Callable, policy: str, capacity: int, batch: int, keys: lis
         seconds, hits, evicted = drive(mgr, keys, batch, make_ctx, hit)
         times.append(seconds / len(keys) * 1e6)
         del mgr
-    return {"best": min(times), "median": statistics.median(times), "hits": hits,
-            "evicted": len(evicted), "digest": digest(evicted)}
+    return {
+        "best": min(times),
+        "median": statistics.median(times),
+        "hits": hits,
+        "evicted": len(evicted),
+        "digest": digest(evicted),
+    }
 
 
 def bytes_per_block(factory: Callable, policy: str, n: int) -> tuple[float, float]:
@@ -154,8 +160,11 @@ def main() -> None:
         except ImportError:
             print("vllm not importable: ours only", end="  ")
     keys = make_keys(args.n)
-    print(f"python {sys.version.split()[0]}  cpus {os.cpu_count()}  N={args.n}  "
-          f"runs={args.runs}  keys digest {digest(keys)}", flush=True)
+    print(
+        f"python {sys.version.split()[0]}  cpus {os.cpu_count()}  N={args.n}  "
+        f"runs={args.runs}  keys digest {digest(keys)}",
+        flush=True,
+    )
 
     header = f"{'policy':6s} {'capacity':>8s} {'batch':>5s} | {'ours best':>9s} {'med':>6s}"
     if len(impls) > 1:
@@ -166,21 +175,28 @@ def main() -> None:
     for policy in args.policies.split(","):
         for capacity in (args.n, args.n // 10):
             for batch in (int(b) for b in args.batches.split(",")):
-                res = {name: measure(f, policy, capacity, batch, keys, args.runs)
-                       for name, f in impls}
+                res = {
+                    name: measure(f, policy, capacity, batch, keys, args.runs) for name, f in impls
+                }
                 ours = res["ours"]
-                line = (f"{policy:6s} {capacity:8d} {batch:5d} | {ours['best']:9.2f} "
-                        f"{ours['median']:6.2f}")
+                line = (
+                    f"{policy:6s} {capacity:8d} {batch:5d} | {ours['best']:9.2f} "
+                    f"{ours['median']:6.2f}"
+                )
                 if "vllm" in res:
                     v = res["vllm"]
                     same = (ours["hits"], ours["digest"]) == (v["hits"], v["digest"])
-                    line += (f" | {v['best']:9.2f} {v['median']:6.2f} | "
-                             f"{ours['best'] / v['best']:9.2f} | "
-                             f"{'yes' if same else 'NO'} ({ours['evicted']} evicted)")
+                    line += (
+                        f" | {v['best']:9.2f} {v['median']:6.2f} | "
+                        f"{ours['best'] / v['best']:9.2f} | "
+                        f"{'yes' if same else 'NO'} ({ours['evicted']} evicted)"
+                    )
                 print(line, flush=True)
 
-    print(f"\nPython bytes per tracked block (tracemalloc, {args.mem_blocks} ready blocks, "
-          "keys not counted)")
+    print(
+        f"\nPython bytes per tracked block (tracemalloc, {args.mem_blocks} ready blocks, "
+        "keys not counted)"
+    )
     for policy in args.policies.split(","):
         for name, f in impls:
             per_block, per_ghost = bytes_per_block(f, policy, args.mem_blocks)

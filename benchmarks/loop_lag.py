@@ -11,7 +11,7 @@ that many busy threads: when the cores are oversubscribed the lag is the OS's, n
 cascade's (on 2 cores: 2 busy threads p99 ≈ 0.5 ms, 3 ≈ 3 ms, 4 ≈ 6 ms).
 
     python benchmarks/loop_lag.py [--root /dev/shm] [--block-mib 1] [--blocks 1024]
-                                  [--io-threads 4] [--io-priority idle] [--rounds 8]
+                                  [--io-threads 4] [--rounds 8]
 
 Each round stores and loads ``--blocks`` fresh blocks in a new cascade on a fresh directory; the
 percentiles are over every round's samples (one round of 1 GiB lasts < 1 s here: ~400 samples,
@@ -80,11 +80,11 @@ async def baseline(busy_threads: int, seconds: float = 2.0) -> list[float]:
 
 
 async def one_round(
-    root: str, block_bytes: int, blocks: int, batch: int, io_threads: int, io_priority: str
+    root: str, block_bytes: int, blocks: int, batch: int, io_threads: int
 ) -> dict[str, tuple[list[float], float]]:
     """Store ``blocks`` fresh blocks GPU → CPU → fs, then load them back fs → CPU → GPU, in a
     new cascade on ``root``; per phase: (lag samples, seconds)."""
-    tiers = [{"type": "fs", "root_dir": root, "io_threads": io_threads, "io_priority": io_priority}]
+    tiers = [{"type": "fs", "root_dir": root, "io_threads": io_threads}]
     config = kc.CascadeConfig(
         block_bytes=block_bytes, gpu_blocks=batch, cpu_blocks=batch * 2, secondary_tiers=tiers
     )
@@ -127,9 +127,7 @@ async def main(args: argparse.Namespace) -> None:
     phases: dict[str, tuple[list[float], list[float]]] = {"store": ([], []), "load": ([], [])}
     for _ in range(args.rounds):
         with tempfile.TemporaryDirectory(dir=args.root) as tmp:
-            result = await one_round(
-                tmp, block_bytes, args.blocks, args.batch, args.io_threads, args.io_priority
-            )
+            result = await one_round(tmp, block_bytes, args.blocks, args.batch, args.io_threads)
         for phase, (samples, seconds) in result.items():
             phases[phase][0].extend(samples)
             phases[phase][1].append(seconds)
@@ -149,9 +147,6 @@ if __name__ == "__main__":
     parser.add_argument("--blocks", type=int, default=1024, help="blocks moved per phase")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--io-threads", type=int, default=4, help="fs tier I/O threads")
-    parser.add_argument(
-        "--io-priority", choices=["idle", "normal"], default="idle", help="fs tier io_priority"
-    )
     parser.add_argument(
         "--rounds", type=int, default=8, help="store + load rounds, each in a fresh cascade"
     )

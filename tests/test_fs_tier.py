@@ -470,7 +470,6 @@ def test_config_keys(tmp_path: Path, host: kc.HostBuffer) -> None:
             "max_queued_jobs": 5,
             "cache_salt": "s",
             "name": "disk",
-            "io_priority": "normal",
         },
     )
     assert (
@@ -479,8 +478,7 @@ def test_config_keys(tmp_path: Path, host: kc.HostBuffer) -> None:
         tier.io_timeout_s,
         tier.max_queued_jobs,
         tier.name,
-        tier.io_priority,
-    ) == (1 << 20, 3, 2.0, 5, "disk", "normal")
+    ) == (1 << 20, 3, 2.0, 5, "disk")
     assert tier.mapper.identity["cache_salt"] == "s" and tier.mapper.digest != m.digest
     with pytest.raises(kc.ConfigError, match="bogus"):
         fs_tier_from_config(host, m, {"root_dir": str(tmp_path), "bogus": 1})
@@ -492,28 +490,6 @@ def test_config_keys(tmp_path: Path, host: kc.HostBuffer) -> None:
     ):
         with pytest.raises(kc.ConfigError):
             fs_tier_from_config(host, m, bad)
-    with pytest.raises(kc.ConfigError, match="io_priority .*'low'"):
-        fs_tier_from_config(host, m, {"root_dir": str(tmp_path), "io_priority": "low"})
-    with pytest.raises(ValueError, match="io_priority .*'high'"):
-        make_tier(tmp_path, host, io_priority="high")
-
-
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
-@pytest.mark.parametrize("priority", ["idle", "normal"])
-async def test_io_threads_cpu_priority(tmp_path: Path, host: kc.HostBuffer, priority: str) -> None:
-    """Issue #4 (loop lag): by default the I/O threads run under SCHED_IDLE, so any normal
-    thread (the event loop) that wakes runs first; ``io_priority="normal"`` leaves them at the
-    process's policy. Read from the kernel for the tier's real threads, which still move data."""
-    tier = make_tier(tmp_path, host, io_threads=2, io_priority=priority)
-    async with running(tier):
-        assert (await store(tier, host, [1, 2])).success
-        assert (await load(tier, [1, 2], [5, 6])).success
-        threads = [t.native_id for t in tier._threads]
-        assert len(threads) == 2
-        policies = {os.sched_getscheduler(tid) for tid in threads if tid is not None}
-    expected = os.SCHED_IDLE if priority == "idle" else os.sched_getscheduler(0)
-    assert policies == {expected}
-    assert bytes(host.row(5)) == pattern(1, BLOCK) and bytes(host.row(6)) == pattern(2, BLOCK)
 
 
 # -- capacity --------------------------------------------------------------------------------

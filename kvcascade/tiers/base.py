@@ -36,19 +36,6 @@ counters and events. At the deadline a running task is cancelled and its job fai
 *abandoned*; the ``released`` result follows once the task has unwound (its clean-up included),
 and the slot frees then. :meth:`_cleanup` runs after the last job ended (e.g. to close a client).
 
-CPU priority: on a machine whose cores are all busy, an I/O thread doing a CPU copy (tmpfs, the
-page cache) and the checksum would delay the event loop — and the forward pass — by a scheduler
-time slice (several ms). With ``io_priority="idle"`` (the default) each I/O thread runs under
-Linux's ``SCHED_IDLE`` policy: it uses every otherwise idle CPU cycle, and any normal thread
-that wakes up (the loop thread, the scheduler, a tokenizer) runs first, on that thread's core.
-Measured with ``benchmarks/loop_lag.py`` (2 cores, tmpfs, 4 I/O threads): the loop's p99 lag
-while 1 GiB is stored went from 3.5–3.7 ms to 1.0–1.1 ms. Offload is background work and a
-load that waits too long fails at its deadline (the block is recomputed), so the cost of being
-last in line is bounded; ``io_priority="normal"`` keeps the threads at the process's priority, for a
-machine whose cores are all kept busy by normal threads that must still offload at full rate
-(e.g. more GPU worker processes than cores, each spinning in CUDA's default synchronisation).
-Elsewhere than Linux, or where the system refuses the policy, threads keep normal priority.
-
 Thread rules: the synchronous façade runs on the event-loop thread (a scheduler on another thread
 reaches it through the coordinator's portal); only :meth:`close` may be called from any thread.
 I/O threads are daemon threads, so a thread stuck forever never blocks interpreter exit.
@@ -61,7 +48,6 @@ import collections
 import contextlib
 import inspect
 import logging
-import os
 import queue
 import threading
 import time
@@ -135,19 +121,6 @@ class _Work:
         self.native = inspect.iscoroutinefunction(fn)  # runs as a task on the loop
 
 
-IO_PRIORITIES = ("idle", "normal")
-"""Values of a tier's ``io_priority`` (:class:`SecondaryTier`)."""
-
-
-def _run_idle(tier: str) -> None:
-    """Put the calling thread under ``SCHED_IDLE`` (Linux: pid 0 = this thread); elsewhere, or
-    if refused (a seccomp profile), log once at debug level and keep the normal priority."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError) as exc:
-        log.debug("tier %s: I/O thread keeps normal priority (SCHED_IDLE: %s)", tier, exc)
-
-
 class SecondaryTier(ABC):
     """Base class of secondary tiers (fs, s3, memory).
 
@@ -164,12 +137,9 @@ class SecondaryTier(ABC):
         io_timeout_s: deadline of one job in seconds from submission (``> 0``); a job past it
             fails (its pins are then released by the coordinator) instead of hanging.
         max_queued_jobs: jobs allowed to wait for a thread (``>= 1``); further stores are refused.
-        io_priority: ``"idle"`` (default: I/O threads run under ``SCHED_IDLE``, module
-            docstring) or ``"normal"``; no effect on a native asyncio tier (no threads).
 
     Raises:
-        ValueError: a bound is out of range, or ``io_priority`` is not one of
-            :data:`IO_PRIORITIES`.
+        ValueError: a bound is out of range.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -181,23 +151,17 @@ class SecondaryTier(ABC):
         io_threads: int = 4,
         io_timeout_s: float = 30.0,
         max_queued_jobs: int = 1024,
-        io_priority: str = "idle",
     ) -> None:
         if io_threads < 1 or max_queued_jobs < 1 or not io_timeout_s > 0:
             raise ValueError(
                 f"tier {name!r}: need io_threads >= 1, io_timeout_s > 0, max_queued_jobs >= 1; "
                 f"got {io_threads}, {io_timeout_s}, {max_queued_jobs}"
             )
-        if io_priority not in IO_PRIORITIES:
-            raise ValueError(
-                f"tier {name!r}: io_priority must be one of {IO_PRIORITIES}, got {io_priority!r}"
-            )
         self.name = name
         self.host = host
         self.io_threads = io_threads
         self.io_timeout_s = io_timeout_s
         self.max_queued_jobs = max_queued_jobs
-        self.io_priority = io_priority
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self._loads: collections.deque[_Work] = collections.deque()
@@ -359,8 +323,6 @@ class SecondaryTier(ABC):
 
     def _thread_main(self) -> None:
         me = threading.current_thread()
-        if self.io_priority == "idle":
-            _run_idle(self.name)
         work = self._inbox.get()
         while work is not None:
             self._current.work = work

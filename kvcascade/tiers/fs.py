@@ -78,7 +78,7 @@ from .._types import OffloadingEvent
 from ..ops import _build
 from ..ops.swap import _checked
 from ._file_mapper import FORMAT_VERSION, FileMapper
-from .base import IO_PRIORITIES, SecondaryTier
+from .base import SecondaryTier
 from .cpu import PAGE_SIZE, HostBuffer, round_up
 
 log = logging.getLogger(__name__)
@@ -201,8 +201,6 @@ class FileSystemTier(SecondaryTier):
         o_direct: try O_DIRECT (probed once); False forces buffered I/O.
         compiled_io: use the compiled batch helpers once the extension is loaded (module
             docstring); False keeps every job in pure Python.
-        io_priority: ``"idle"`` (default: the I/O threads yield the CPU to every normal thread,
-            :mod:`kvcascade.tiers.base`) or ``"normal"``.
 
     Raises:
         OSError: ``root_dir`` or the namespace's ``config.json`` cannot be created.
@@ -222,7 +220,6 @@ class FileSystemTier(SecondaryTier):
         max_bytes: int | None = None,
         o_direct: bool = True,
         compiled_io: bool = True,
-        io_priority: str = "idle",
     ) -> None:
         super().__init__(
             name,
@@ -230,7 +227,6 @@ class FileSystemTier(SecondaryTier):
             io_threads=io_threads,
             io_timeout_s=io_timeout_s,
             max_queued_jobs=max_queued_jobs,
-            io_priority=io_priority,
         )
         if max_bytes is not None and max_bytes <= 0:
             raise ConfigError(f"fs tier max_bytes must be > 0, got {max_bytes}")
@@ -829,7 +825,6 @@ _CONFIG_KEYS = {
     "max_queued_jobs",
     "cache_salt",
     "name",
-    "io_priority",
     "n_read_threads",
     "n_write_threads",
 }
@@ -843,9 +838,8 @@ def fs_tier_from_config(
     Keys: ``root_dir`` (required), ``max_bytes`` (bytes of block files; default unbounded),
     ``io_threads`` (default 4), ``io_timeout_s`` (seconds, default 30), ``max_queued_jobs``
     (default 1024), ``cache_salt`` (tenant salt folded into the namespace), ``name`` (default
-    ``"fs"``), ``io_priority`` (``"idle"``, the default, or ``"normal"``: the I/O threads' CPU
-    priority, :class:`~kvcascade.tiers.base.SecondaryTier`). vLLM's ``n_read_threads`` +
-    ``n_write_threads`` are accepted and summed into ``io_threads`` when that is absent.
+    ``"fs"``). vLLM's ``n_read_threads`` + ``n_write_threads`` are accepted and summed into
+    ``io_threads`` when that is absent.
 
     Raises:
         ConfigError: missing ``root_dir``, an unknown key (named in the message), or a value of
@@ -875,9 +869,6 @@ def fs_tier_from_config(
     for key in ("cache_salt", "name"):
         if key in cfg and not isinstance(cfg[key], str):
             raise ConfigError(f"fs tier {key} must be a string, got {cfg[key]!r}")
-    priority = cfg.get("io_priority", "idle")
-    if priority not in IO_PRIORITIES:
-        raise ConfigError(f"fs tier io_priority must be one of {IO_PRIORITIES}, got {priority!r}")
     if cfg.get("cache_salt"):
         mapper = mapper.with_salt(cfg["cache_salt"])
     max_bytes = integer("max_bytes", 0) if "max_bytes" in cfg else None
@@ -895,5 +886,4 @@ def fs_tier_from_config(
         io_timeout_s=float(timeout),
         max_queued_jobs=integer("max_queued_jobs", 1024),
         max_bytes=max_bytes,
-        io_priority=priority,
     )
