@@ -60,6 +60,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvc_gil.h"
 #include "kvc_result.h"
 
 #define XXH_STATIC_LINKING_ONLY
@@ -299,7 +300,7 @@ BatchResult fs_store_open(const std::string& prefix, const std::vector<std::stri
   if (!error.empty()) return {{}, kBadValue, std::move(error)};
   Values fds;
   fds.reserve(keys.size() + 1);
-  pybind11::gil_scoped_release no_gil;
+  kvc::GilRelease no_gil;
   const int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | static_cast<int>(extra_flags);
   const Dir dir(prefix);
   for (const std::string& key : keys) {
@@ -332,7 +333,7 @@ BatchResult fs_store_write(const Values& fds, const std::vector<std::string>& ke
   if (!error.empty()) return {{}, kBadValue, std::move(error)};
   Values done;
   done.reserve(fds.size() + 1);
-  pybind11::gil_scoped_release no_gil;
+  kvc::GilRelease no_gil;
   unsigned char* header = header_page();
   if (header == nullptr) return os_failure(std::move(done), ENOMEM, "posix_memalign", "");
   const size_t payload = static_cast<size_t>(payload_bytes);
@@ -429,7 +430,7 @@ BatchResult fs_store_commit(const Values& fds, const std::string& prefix,
   if (!error.empty()) return {{}, kBadValue, std::move(error)};
   Values done;
   done.reserve(fds.size() + 1);
-  pybind11::gil_scoped_release no_gil;
+  kvc::GilRelease no_gil;
   const Dir dir(prefix);
   for (size_t i = 0; i < fds.size(); ++i) {
     if (fds[i] < 0) {
@@ -460,7 +461,7 @@ BatchResult fs_store_abort(const Values& fds, const std::string& prefix,
                            const std::vector<std::string>& keys, const std::string& suffix) {
   std::string error = check_pairs("fs_store_abort", fds, keys);
   if (!error.empty()) return {{}, kBadValue, std::move(error)};
-  pybind11::gil_scoped_release no_gil;
+  kvc::GilRelease no_gil;
   return {abort_from(fds, prefix, keys, suffix, 0), kOk, ""};
 }
 
@@ -472,7 +473,7 @@ BatchResult fs_load_open(const std::string& prefix, const std::vector<std::strin
   if (!error.empty()) return {{}, kBadValue, std::move(error)};
   Values fds;
   fds.reserve(keys.size() + 1);
-  pybind11::gil_scoped_release no_gil;
+  kvc::GilRelease no_gil;
   const int flags = O_RDONLY | O_CLOEXEC | static_cast<int>(extra_flags);
   const Dir dir(prefix);
   for (const std::string& key : keys) {
@@ -560,7 +561,7 @@ BatchResult fs_load_read(const Values& fds, const std::vector<std::string>& keys
   for (size_t i = 0; error.empty() && i < fds.size(); ++i) {
     if (fds[i] < 0) error = cat("fs_load_read: fds[", static_cast<uint64_t>(i), "] is negative");
   }
-  pybind11::gil_scoped_release no_gil;
+  kvc::GilRelease no_gil;
   BatchResult result =
       error.empty() ? load_read(fds, keys, addrs, payload_bytes, span_bytes, version, piece_bytes)
                     : BatchResult{{}, kBadValue, std::move(error)};
@@ -575,7 +576,7 @@ kvc::OpResult fs_type(const std::string& path) {
   struct statfs sf;
   int rc;
   {
-    pybind11::gil_scoped_release no_gil;
+    kvc::GilRelease no_gil;
     rc = statfs(path.c_str(), &sf);
   }
   if (rc != 0) return {errno, kOsError, cat("statfs:", path)};

@@ -39,6 +39,7 @@ inline std::string piece(c10::IntArrayRef v) {
 }
 }  // namespace kvc
 
+#include "kvc_gil.h"
 #include "kvc_result.h"
 
 // fs_io.cpp: the fs tier's batch store/load ops.
@@ -163,7 +164,7 @@ OpResult batch_copy(const torch::Tensor& src_ptrs, const torch::Tensor& dst_ptrs
   const int64_t* d = dst_ptrs.data_ptr<int64_t>();
   const int64_t* z = sizes.data_ptr<int64_t>();
   {
-    pybind11::gil_scoped_release no_gil;
+    kvc::GilRelease no_gil;
     copy_host(s, d, z, n, total, max_threads);
   }
   return {total, kOk, ""};
@@ -182,7 +183,7 @@ OpResult batch_copy_cuda(const torch::Tensor& src_ptrs, const torch::Tensor& dst
   int rc = 0;
   size_t failed = 0;
   {
-    pybind11::gil_scoped_release no_gil;
+    kvc::GilRelease no_gil;
     rc = kvcascade_cuda_batch_copy_ex(
         reinterpret_cast<const uint64_t*>(src_ptrs.data_ptr<int64_t>()),
         reinterpret_cast<const uint64_t*>(dst_ptrs.data_ptr<int64_t>()),
@@ -210,6 +211,7 @@ bool has_cuda() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvcascade batch copy kernels";
+  kvc::record_main_thread();
   m.def("batch_copy", &batch_copy,
         "Host memcpy per (src, dst, size) descriptor; returns (bytes, error kind, message)",
         pybind11::arg("src_ptrs"), pybind11::arg("dst_ptrs"), pybind11::arg("sizes"),

@@ -609,6 +609,64 @@ async def test_stalled_reader_fails_at_deadline_and_others_finish(
             await asyncio.sleep(0.01)
 
 
+_EXIT_WITH_A_STUCK_THREAD = textwrap.dedent("""
+    import asyncio, atexit, os, subprocess, sys, time
+    from pathlib import Path
+    import kvcascade as kc
+    from kvcascade.ops import _build
+    from kvcascade.tiers._file_mapper import FileMapper, default_identity
+    from kvcascade.tiers.fs import FileSystemTier
+    from tier_helpers import job, key, running, store
+
+    compiled = sys.argv[2] == "compiled"
+    assert not compiled or _build.load_extension() is not None
+    host = kc.HostBuffer(8, 4096)
+    tier = FileSystemTier(
+        host, sys.argv[1], FileMapper(default_identity()), io_threads=1, io_timeout_s=0.3,
+        compiled_io=compiled,
+    )
+    fifo = Path(tier.path_of(key(9)))
+
+    async def main():
+        async with running(tier):
+            assert (await store(tier, host, [1])).success
+            fifo.parent.mkdir(parents=True, exist_ok=True)
+            os.mkfifo(fifo, 0o600)
+            result = await tier.submit_load(job([key(9)], [5], True))
+            assert not result.success and "deadline" in result.error, result
+            print("abandoned", flush=True)
+
+    asyncio.run(main())
+
+    class SlowFinalizer:
+        def __del__(self):  # runs while the interpreter finalizes (module globals cleared)
+            time.sleep(1.0)
+
+    slow = SlowFinalizer()
+    # After the atexit handlers, while finalizing: a writer opens the FIFO, the stuck open returns.
+    atexit.register(lambda: subprocess.Popen(["sh", "-c", f"sleep 0.3; exec 3>'{fifo}'"]))
+    print("exiting", flush=True)
+""")
+
+
+def test_exit_while_an_abandoned_thread_returns(tmp_path: Path, io_path: str) -> None:
+    """Issue #5 item 7 / #4 item 6: an I/O thread abandoned at its deadline (stuck opening a
+    FIFO) that returns while the interpreter is finalizing must not kill the process. With the
+    compiled mover it used to: CPython ends such a thread with pthread_exit inside the GIL
+    re-acquire, and unwinding through pybind11's noexcept gil_scoped_release destructor is
+    std::terminate ("terminate called without an active exception", exit status 134)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_WITH_A_STUCK_THREAD, str(tmp_path / "tier"), io_path],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO / "tests")},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["abandoned", "exiting"]
+    assert "terminate called" not in done.stderr
+
+
 async def test_full_queue_refuses_stores_with_a_failed_result(
     tmp_path: Path, host: kc.HostBuffer
 ) -> None:
