@@ -56,8 +56,16 @@ class TransferError(KVCascadeError):
 
     Attributes:
         succeeded: the keys of the job that were transferred before the failure.
+        transferred_bytes: bytes actually moved before the failure, when the tier knows them
+            (a store hit moves none); None: ``len(succeeded)`` blocks.
     """
 
-    def __init__(self, message: str, succeeded: Sequence[bytes] = ()) -> None:
+    def __init__(
+        self,
+        message: str,
+        succeeded: Sequence[bytes] = (),
+        transferred_bytes: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.succeeded = list(succeeded)
+        self.transferred_bytes = transferred_bytes

@@ -865,6 +865,8 @@ async def test_read_only_filesystem_store_hits_and_misses(
             )
             assert not mixed.success and "Read-only file system" in mixed.error
             assert list(mixed.successful_keys or []) == [key(1), key(2)]
+            assert (hit.transfer_size, mixed.transfer_size) == (0, 0)  # store hits move nothing
+            assert tier.counters["store_bytes"] == 3 * BLOCK
             assert (await load(tier, [1, 2, 3], [8, 9, 10])).success
             assert [bytes(host.row(s)) for s in (8, 9, 10)] == [pattern(i) for i in (1, 2, 3)]
             assert await tier.contains([key(7)]) == [False]

@@ -557,7 +557,11 @@ class SecondaryTier(ABC):
                 False,
                 successful_keys=error.succeeded or None,
                 error=str(error),
-                transfer_size=len(error.succeeded) * self.host.block_bytes,
+                transfer_size=(
+                    error.transferred_bytes
+                    if error.transferred_bytes is not None
+                    else len(error.succeeded) * self.host.block_bytes
+                ),
                 transfer_time=elapsed,
             )
         else:

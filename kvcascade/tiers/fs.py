@@ -470,22 +470,30 @@ class FileSystemTier(SecondaryTier):
         per_call = COMPILED_BATCH
         if not self._fused:  # O_DIRECT on a device
             per_call = max(1, min(COMPILED_BATCH, COMPILED_STORE_BYTES // self._span))
-        written = 0
-        for lo in range(0, len(keys), per_call):
-            hi = min(lo + per_call, len(keys))
-            written += self._store_batch(ext, keys, rows.addresses, lo, hi)
+        written = lo = 0
+        while lo < len(keys):
+            try:
+                done, lo = self._store_batch(
+                    ext, keys, rows.addresses, lo, min(lo + per_call, len(keys))
+                )
+            except TransferError as exc:
+                exc.transferred_bytes = written + (exc.transferred_bytes or 0)
+                raise
+            written += done
         return written
 
     def _store_batch(
         self, ext: ModuleType, keys: Sequence[bytes], addresses: list[int], lo: int, hi: int
-    ) -> int:
-        """Store blocks ``lo:hi`` of a job with the compiled helpers; payload bytes written.
+    ) -> tuple[int, int]:
+        """Store blocks ``lo:hi`` of a job with the compiled helpers; (payload bytes written,
+        index of the first block not dealt with: ``hi``, or the one after a store hit found on a
+        failure).
 
         Same outcome as :meth:`_store_one` over each block in turn: the blocks before the first
         failing one are stored and recorded; the failing one and the later ones leave no file
         and no reservation. A block whose write failed (a read-only or full filesystem) while
         its file is present — written before, or by another writer meanwhile — is a store hit,
-        as :meth:`_store_one` finds it before writing, and the batch goes on after it.
+        as :meth:`_store_one` finds it before writing, and the job goes on after it.
 
         Raises:
             TransferError: a block failed (its OSError as the cause; the keys before it
@@ -557,14 +565,11 @@ class FileSystemTier(SecondaryTier):
             i, exc = failure
             if os.path.exists(self.path_of(batch[i])):
                 self._record(batch[i], self.block_file_bytes, reserved=False)
-                rest = lo + i + 1
-                return written + (
-                    self._store_batch(ext, keys, addresses, rest, hi) if rest < hi else 0
-                )
+                return written, lo + i + 1
             raise TransferError(
-                f"fs store of block {lo + i} failed: {exc}", keys[: lo + i]
+                f"fs store of block {lo + i} failed: {exc}", keys[: lo + i], written
             ) from exc
-        return written
+        return written, hi
 
     def _store_blocks_py(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
         written = 0
@@ -572,7 +577,9 @@ class FileSystemTier(SecondaryTier):
             try:
                 written += self._store_one(key, row)
             except OSError as exc:
-                raise TransferError(f"fs store of block {i} failed: {exc}", keys[:i]) from exc
+                raise TransferError(
+                    f"fs store of block {i} failed: {exc}", keys[:i], written
+                ) from exc
         return written
 
     def _store_one(self, key: bytes, row: memoryview) -> int:
