@@ -833,7 +833,7 @@ async def test_enospc_fails_cleanly_and_loads_keep_working(
             results = [await store(tier, host, [i], [i % 4]) for i in range(20)]
             ok = [i for i, r in enumerate(results) if r.success]
             assert ok and len(ok) < 20 and all(not r.success for r in results[len(ok) :])
-            assert "No space left" in results[-1].error
+            assert "No space left" in results[-1].error and str(root) in results[-1].error
             assert files(root, ".tmp") == []
             assert {p.stat().st_size for p in files(root, ".bin")} == {file_size(BLOCK)}
             assert (await load(tier, ok, list(range(4, 4 + len(ok))))).success
@@ -845,7 +845,7 @@ async def test_enospc_fails_cleanly_and_loads_keep_working(
 
 
 async def test_read_only_filesystem_store_hits_and_misses(
-    tmp_path: Path, host: kc.HostBuffer
+    tmp_path: Path, host: kc.HostBuffer, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Issue #5 (failure behaviour): on a filesystem remounted read-only, a store of blocks
     already there succeeds (a store hit, as in vLLM's fs tier, which checks existence first),
@@ -870,6 +870,15 @@ async def test_read_only_filesystem_store_hits_and_misses(
             assert (await load(tier, [1, 2, 3], [8, 9, 10])).success
             assert [bytes(host.row(s)) for s in (8, 9, 10)] == [pattern(i) for i in (1, 2, 3)]
             assert await tier.contains([key(7)]) == [False]
+        # A tier started on the read-only mount says so once, and serves its blocks.
+        caplog.clear()
+        reader = make_tier(root, host)
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("is not writable" in m and "Read-only file system" in m for m in messages)
+        assert not any("could not delete" in m or "O_DIRECT" in m for m in messages)
+        async with running(reader):
+            assert (await load(reader, [2], [11])).success
+            assert bytes(host.row(11)) == pattern(2)
 
 
 async def test_concurrent_writers_of_the_same_keys(tmp_path: Path) -> None:

@@ -163,24 +163,29 @@ class _Rows(list[memoryview]):
 def probe_o_direct(directory: str | os.PathLike[str]) -> bool:
     """True when ``directory`` accepts an O_DIRECT write of one aligned page (spec §4.3).
 
-    Any OSError (EINVAL on overlayfs, old tmpfs, some NFS) means buffered I/O.
+    Any OSError (EINVAL on overlayfs, old tmpfs, some NFS) means buffered I/O. A directory that
+    cannot be written at all (a read-only mount of a pre-filled cache) is logged as such: its
+    loads are served, its stores fail.
     """
     if not _O_DIRECT:
         return False
     probe = os.path.join(directory, f".o_direct_probe_{os.getpid()}_{secrets.randbits(32)}")
     page = mmap.mmap(-1, ALIGN)
+    fd: int | None = None
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o600)
-        try:
-            return os.write(fd, page) == ALIGN
-        finally:
-            os.close(fd)
+        return os.write(fd, page) == ALIGN
     except OSError as exc:
-        log.warning("fs tier: O_DIRECT unavailable in %s (%s); using buffered I/O", directory, exc)
+        if fd is None and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            log.warning("fs tier: %s is not writable (%s): stores will fail", directory, exc)
+        else:
+            log.warning("fs tier: O_DIRECT unavailable in %s (%s); buffered I/O", directory, exc)
         return False
     finally:
         page.close()
-        _unlink_quietly(probe)
+        if fd is not None:
+            os.close(fd)
+            _unlink_quietly(probe)
 
 
 class FileSystemTier(SecondaryTier):
@@ -567,7 +572,9 @@ class FileSystemTier(SecondaryTier):
                 self._record(batch[i], self.block_file_bytes, reserved=False)
                 return written, lo + i + 1
             raise TransferError(
-                f"fs store of block {lo + i} failed: {exc}", keys[: lo + i], written
+                f"fs store of block {lo + i} failed: {_naming(exc, self.path_of(batch[i]))}",
+                keys[: lo + i],
+                written,
             ) from exc
         return written, hi
 
@@ -578,7 +585,9 @@ class FileSystemTier(SecondaryTier):
                 written += self._store_one(key, row)
             except OSError as exc:
                 raise TransferError(
-                    f"fs store of block {i} failed: {exc}", keys[:i], written
+                    f"fs store of block {i} failed: {_naming(exc, self.path_of(key))}",
+                    keys[:i],
+                    written,
                 ) from exc
         return written
 
@@ -708,7 +717,10 @@ class FileSystemTier(SecondaryTier):
             _unlink_quietly(self.path_of(batch[i]))
             self._forget(batch[i])
             raise TransferError(str(exc), keys[: lo + i]) from exc
-        raise TransferError(f"fs load of block {lo + i} failed: {exc}", keys[: lo + i]) from exc
+        raise TransferError(
+            f"fs load of block {lo + i} failed: {_naming(exc, self.path_of(batch[i]))}",
+            keys[: lo + i],
+        ) from exc
 
     def _load_blocks_py(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
         read = 0
@@ -724,7 +736,9 @@ class FileSystemTier(SecondaryTier):
                 self._forget(key)
                 raise TransferError(str(exc), keys[:i]) from exc
             except OSError as exc:
-                raise TransferError(f"fs load of block {i} failed: {exc}", keys[:i]) from exc
+                raise TransferError(
+                    f"fs load of block {i} failed: {_naming(exc, path)}", keys[:i]
+                ) from exc
         return read
 
     def _load_one(self, key: bytes, path: str, row: memoryview) -> int:
@@ -780,6 +794,12 @@ def _failure(values: list[int], kind: int, message: str) -> tuple[int, OSError] 
     if filename:
         return len(values), OSError(err, os.strerror(err), filename)
     return len(values), OSError(err, os.strerror(err))
+
+
+def _naming(exc: OSError, path: str) -> str:
+    """``exc`` as text, with the block's file path when the error does not name a file
+    (a failed write or read: ENOSPC, EIO)."""
+    return str(exc) if exc.filename else f"{exc}: {path!r}"
 
 
 def _no_room(size: int) -> OSError:
