@@ -290,7 +290,8 @@ class Cascade:
         Raises:
             TierUnavailableError: the cascade was closed (its ``async with`` ended).
             TypeError / ValueError: see :func:`_check_request`; a GPU id outside
-                ``[0, gpu_blocks)``.
+                ``[0, gpu_blocks)``, or one GPU id given for two keys (one key's KV would be
+                stored under both, or one load would overwrite the other).
         """
         if self._closed:
             raise TierUnavailableError("the cascade is closed")
@@ -301,6 +302,10 @@ class Cascade:
             bad = ids[(ids < 0) | (ids >= n)]
             if len(bad):
                 raise ValueError(f"GPU block ids out of range [0, {n}): {bad[:8].tolist()}")
+            unique, counts = np.unique(ids, return_counts=True)
+            if len(unique) < len(ids):
+                repeated = unique[counts > 1][:8].tolist()
+                raise ValueError(f"GPU block ids given for more than one key: {repeated}")
 
 
 def _check_request(keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Any = None) -> None:

@@ -425,8 +425,8 @@ async def test_a_key_expiring_twice_loses_no_slot() -> None:
 
 
 async def test_cascade_api_rejects_arguments_that_would_do_the_wrong_thing() -> None:
-    """One key instead of a list, str keys, float GPU ids, no context: clear errors, nothing
-    stored."""
+    """One key instead of a list, str keys, float GPU ids, one GPU id for two keys, no context:
+    clear errors, nothing stored."""
     config = kc.CascadeConfig(block_bytes=64, gpu_blocks=4, cpu_blocks=4)
     async with kc.open_cascade(config) as cascade:
         ctx = kc.ReqContext("a")
@@ -438,6 +438,7 @@ async def test_cascade_api_rejects_arguments_that_would_do_the_wrong_thing() -> 
             ([b"x"], [0], ValueError, "offload key too short (1 bytes"),
             ([key(1)], [4], ValueError, "GPU block ids out of range [0, 4): [4]"),
             ([key(1), key(2)], [-1, 0], ValueError, "out of range [0, 4): [-1]"),
+            ([key(1), key(2), key(3)], [2, 0, 2], ValueError, "more than one key: [2]"),
         ]:
             try:
                 await cascade.store(keys, ctx, ids)
