@@ -125,6 +125,11 @@ class Cascade:
         and a promotion queued, as with vLLM's lookup (spec §3.6), so they cannot be evicted
         before :meth:`load`. A key whose write is in flight for another request counts as
         available: :meth:`load` waits for that write instead of issuing a second one.
+
+        A secondary hit needs a free primary slot for its promotion: a key that finds none ends
+        the prefix (spec §3.6, allocation failure = miss), so through a CPU tier smaller than the
+        prefix a long prefix comes back in parts — :meth:`load` one part, then look up the rest
+        (``examples/asyncio_cascade.py``).
         """
         self._check(keys, ctx)
         coord = self.coordinator

@@ -21,8 +21,9 @@ def run(name: str, *args: str) -> str:
 
 def test_asyncio_cascade_example(tmp_path: Path) -> None:
     out = run("asyncio_cascade.py", str(tmp_path))
-    assert "prefix hit: 4 of 8 blocks" in out or "prefix hit: 8 of 8 blocks" in out
-    assert "byte-exact" in out
+    assert "prefix hit: blocks 0-3 from ['fs', 'fs', 'fs', 'fs']" in out
+    assert "prefix hit: blocks 4-7 from" in out
+    assert "loaded 8 of 8 blocks back, byte-exact" in out
 
 
 def test_scheduler_hooks_example() -> None:
