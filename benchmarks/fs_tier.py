@@ -48,10 +48,33 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 def parse_size(text: str) -> int:
-    """``64K`` / ``1M`` / ``4M`` / ``4096`` → bytes."""
+    """``64K`` / ``1M`` / ``4M`` / ``4096`` → bytes.
+
+    Raises:
+        argparse.ArgumentTypeError: not a positive size.
+    """
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper()
-    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+    clean = text.strip().upper()
+    try:
+        size = int(clean[:-1]) * units[clean[-1]] if clean[-1:] in units else int(clean)
+    except (ValueError, IndexError):
+        size = 0
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"bad block size {text!r} (e.g. 64K, 1M, 4096)")
+    return size
+
+
+def positive(text: str) -> int:
+    """An int >= 1 (argparse type)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def sizes(text: str) -> list[int]:
+    """Comma-separated block sizes (argparse type)."""
+    return [parse_size(part) for part in text.split(",")]
 
 
 def fill(host: kc.HostBuffer) -> None:
@@ -194,16 +217,20 @@ async def bench_size(args: argparse.Namespace, block: int) -> dict[str, float]:
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", default=tempfile.gettempdir(), help="directory to write under")
-    parser.add_argument("--sizes", default="64K,1M,4M", help="block sizes (comma-separated)")
-    parser.add_argument("--total-mib", type=int, default=512, help="MiB moved per pass")
-    parser.add_argument("--blocks-per-job", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=8, help="I/O threads of both sides")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--sizes", type=sizes, default="64K,1M,4M", help="block sizes (comma-separated)"
+    )
+    parser.add_argument("--total-mib", type=positive, default=512, help="MiB moved per pass")
+    parser.add_argument("--blocks-per-job", type=positive, default=16)
+    parser.add_argument("--threads", type=positive, default=8, help="I/O threads of both sides")
+    parser.add_argument("--repeats", type=positive, default=3)
     parser.add_argument("--buffered", action="store_true", help="no O_DIRECT on either side")
     parser.add_argument(
         "--python-mover", action="store_true", help="the tier's pure-Python mover (no extension)"
     )
     args = parser.parse_args()
+    if not os.path.isdir(args.root):
+        parser.error(f"--root {args.root!r} is not a directory")
     if args.python_mover:
         mover = "python"
     elif _build.load_extension() is not None:
@@ -219,8 +246,9 @@ async def main() -> None:
         f"{'tier ld':>8} {'raw ld':>8} {'ratio':>6}   (GB/s)"
     )
     print(header)
-    for text in args.sizes.split(","):
-        block = parse_size(text)
+    for block in args.sizes:
+        text = f"{block >> 20}M" if block % (1 << 20) == 0 else f"{block >> 10}K"
+        text = text if block % 1024 == 0 else str(block)
         r = await bench_size(args, block)
         gbps = {k: r["bytes"] / v / 1e9 for k, v in r.items() if " " in k}
         print(

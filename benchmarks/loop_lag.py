@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import os
 import tempfile
 import threading
 import time
@@ -152,6 +153,11 @@ if __name__ == "__main__":
     )
     parser.add_argument("--baseline-s", type=float, default=4.0, help="baseline seconds")
     cli = parser.parse_args()
+    for name in ("blocks", "batch", "io_threads", "rounds"):
+        if getattr(cli, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cli, name)}")
+    if cli.root is not None and not os.path.isdir(cli.root):
+        parser.error(f"--root {cli.root!r} is not a directory")
     gc.collect()
     gc.freeze()
     asyncio.run(main(cli))
