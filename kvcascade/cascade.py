@@ -307,9 +307,9 @@ class Cascade:
             bad = ids[(ids < 0) | (ids >= n)]
             if len(bad):
                 raise ValueError(f"GPU block ids out of range [0, {n}): {bad[:8].tolist()}")
-            unique, counts = np.unique(ids, return_counts=True)
-            if len(unique) < len(ids):
-                repeated = unique[counts > 1][:8].tolist()
+            listed = ids.tolist()
+            if len(set(listed)) < len(listed):
+                repeated = sorted({i for i in listed if listed.count(i) > 1})[:8]
                 raise ValueError(f"GPU block ids given for more than one key: {repeated}")
 
 
