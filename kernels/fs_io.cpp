@@ -62,6 +62,7 @@
 
 #include "kvc_gil.h"
 #include "kvc_result.h"
+#include "kvc_yield.h"
 
 #define XXH_STATIC_LINKING_ONLY
 #if defined(__x86_64__) || defined(__i386__)
@@ -339,6 +340,7 @@ BatchResult fs_store_write(const Values& fds, const std::vector<std::string>& ke
   const size_t payload = static_cast<size_t>(payload_bytes);
   const size_t span = static_cast<size_t>(span_bytes);
   const size_t piece = static_cast<size_t>(piece_bytes);
+  kvc::Yielder yielder;
   for (size_t i = 0; i < fds.size(); ++i) {
     if (fds[i] < 0) {  // kExists
       done.push_back(0);
@@ -361,6 +363,7 @@ BatchResult fs_store_write(const Values& fds, const std::vector<std::string>& ke
         // Hashed after the write, from the cache the copy just filled (the rows of a job do
         // not change while it runs); measured faster than before it with two busy cores.
         if (err == 0 && off < payload) hasher.update(row + off, std::min(len, payload - off));
+        yielder.moved(len);
       }
       if (err == 0) {
         encode_header(header, version, payload, hasher.digest(), key_digest);
@@ -369,6 +372,7 @@ BatchResult fs_store_write(const Values& fds, const std::vector<std::string>& ke
       }
     }
     if (err != 0) return os_failure(std::move(done), err, "write", "");
+    if (piece == 0 || span <= piece) yielder.moved(span);
     done.push_back(payload_bytes);
   }
   return {std::move(done), kOk, ""};
@@ -488,12 +492,13 @@ BatchResult fs_load_open(const std::string& prefix, const std::vector<std::strin
 // Reads block i (header + span) into `header` and `row`; on success sets `digest` to the xxh3 of
 // the payload when the whole file was read. Returns bytes read, or -errno.
 int64_t read_block(int fd, unsigned char* header, unsigned char* row, size_t payload, size_t span,
-                   size_t piece, uint64_t& digest) {
+                   size_t piece, uint64_t& digest, kvc::Yielder& yielder) {
   const size_t size = kHeaderBytes + span;
   if (piece == 0 || span <= piece) {
     struct iovec iov[2] = {{header, kHeaderBytes}, {row, span}};
     const int64_t n = read_once(fd, iov, 2, 0);
     if (n == static_cast<int64_t>(size)) digest = xxh3(row, payload);
+    yielder.moved(span);
     return n;
   }
   // The header rides with the first piece.
@@ -510,6 +515,7 @@ int64_t read_block(int fd, unsigned char* header, unsigned char* row, size_t pay
     total += n;
     if (n != want) return total;  // end of file: a short file
     if (off < payload) hasher.update(row + off, std::min(len, payload - off));
+    yielder.moved(len);
   }
   digest = hasher.digest();
   return total;
@@ -525,10 +531,11 @@ BatchResult load_read(const Values& fds, const std::vector<std::string>& keys, c
   const size_t payload = static_cast<size_t>(payload_bytes);
   const size_t span = static_cast<size_t>(span_bytes);
   const int64_t size = static_cast<int64_t>(kHeaderBytes + span);
+  kvc::Yielder yielder;
   for (size_t i = 0; i < fds.size(); ++i) {
     uint64_t digest = 0;
     const int64_t n = read_block(static_cast<int>(fds[i]), header, row_of(addrs[i]), payload, span,
-                                 static_cast<size_t>(piece_bytes), digest);
+                                 static_cast<size_t>(piece_bytes), digest, yielder);
     if (n < 0) return os_failure(std::move(done), static_cast<int>(-n), "read", "");
     // Same checks, in the same order and words, as kvcascade.tiers.fs.check_block.
     if (n != size) {

@@ -41,6 +41,7 @@ inline std::string piece(c10::IntArrayRef v) {
 
 #include "kvc_gil.h"
 #include "kvc_result.h"
+#include "kvc_yield.h"
 
 // fs_io.cpp: the fs tier's batch store/load ops.
 void kvcascade_register_fs_io(pybind11::module_& m);
@@ -106,14 +107,18 @@ std::string check_descriptors(const torch::Tensor& src, const torch::Tensor& dst
 // starts in that concatenation, offs[n] the total.
 void copy_slice(const int64_t* s, const int64_t* d, const std::vector<int64_t>& offs, int64_t n,
                 int64_t lo, int64_t hi) {
+  kvc::Yielder yielder;
   int64_t i = std::upper_bound(offs.begin(), offs.end(), lo) - offs.begin() - 1;
   for (; i < n && offs[i] < hi; ++i) {
     const int64_t a = std::max(lo, offs[i]);
     const int64_t b = std::min(hi, offs[i + 1]);
-    if (b > a) {
-      const int64_t skip = a - offs[i];
+    for (int64_t at = a; at < b;) {  // in pieces of kYieldBytes, yielding in between
+      const int64_t len = std::min<int64_t>(b - at, static_cast<int64_t>(kvc::kYieldBytes));
+      const int64_t skip = at - offs[i];
       std::memcpy(reinterpret_cast<void*>(d[i] + skip), reinterpret_cast<const void*>(s[i] + skip),
-                  static_cast<size_t>(b - a));
+                  static_cast<size_t>(len));
+      yielder.moved(static_cast<size_t>(len));
+      at += len;
     }
   }
 }
@@ -130,17 +135,12 @@ void copy_host(const int64_t* s, const int64_t* d, const int64_t* z, int64_t n, 
     const int64_t cap = max_threads > 0 ? max_threads : std::max<int64_t>(1, cores - 1);
     threads = std::min({cap, kMaxThreads, (total + kBytesPerThread - 1) / kBytesPerThread});
   }
-  if (threads <= 1) {
-    for (int64_t i = 0; i < n; ++i) {
-      if (z[i] > 0) {
-        std::memcpy(reinterpret_cast<void*>(d[i]), reinterpret_cast<const void*>(s[i]),
-                    static_cast<size_t>(z[i]));
-      }
-    }
-    return;
-  }
   std::vector<int64_t> offs(n + 1, 0);
   for (int64_t i = 0; i < n; ++i) offs[i + 1] = offs[i] + z[i];
+  if (threads <= 1) {
+    copy_slice(s, d, offs, n, 0, total);
+    return;
+  }
   std::vector<std::thread> pool;
   pool.reserve(threads - 1);
   for (int64_t t = 1; t < threads; ++t) {
