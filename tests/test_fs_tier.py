@@ -259,6 +259,17 @@ def test_invalid_root_raises_at_construction(tmp_path: Path, host: kc.HostBuffer
         make_tier(tmp_path / "file" / "sub", host)
 
 
+def test_config_json_fifo_is_refused_not_read(tmp_path: Path, host: kc.HostBuffer) -> None:
+    """A FIFO in place of the namespace's config.json is a ConfigError naming it, at once
+    (reading it would block the constructor, and the event loop, forever)."""
+    m = mapper()
+    fifo = tmp_path / m.config_relative_path()
+    fifo.parent.mkdir(parents=True)
+    os.mkfifo(fifo, 0o600)
+    with pytest.raises(kc.ConfigError, match="config.json exists and is not a regular file"):
+        FileSystemTier(host, tmp_path, m)
+
+
 async def test_failed_load_of_missing_file_and_partial_batch(
     tmp_path: Path, host: kc.HostBuffer
 ) -> None:

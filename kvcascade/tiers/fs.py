@@ -61,6 +61,7 @@ import mmap
 import os
 import random
 import secrets
+import stat
 import struct
 import threading
 import time
@@ -178,6 +179,8 @@ def probe_o_direct(directory: str | os.PathLike[str]) -> bool:
     except OSError as exc:
         if fd is None and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             log.warning("fs tier: %s is not writable (%s): stores will fail", directory, exc)
+        elif exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            log.warning("fs tier: %s is full (%s): stores will fail", directory, exc)
         else:
             log.warning("fs tier: O_DIRECT unavailable in %s (%s); buffered I/O", directory, exc)
         return False
@@ -209,8 +212,9 @@ class FileSystemTier(SecondaryTier):
 
     Raises:
         OSError: ``root_dir`` or the namespace's ``config.json`` cannot be created.
-        ConfigError: ``config.json`` exists with another identity (a digest collision),
-            ``max_bytes`` is not positive, or ``root_dir`` exists and is not a directory.
+        ConfigError: ``config.json`` exists with another identity (a digest collision) or is
+            not a regular file, ``max_bytes`` is not positive, or ``root_dir`` exists and is
+            not a directory.
     """
 
     def __init__(
@@ -271,6 +275,8 @@ class FileSystemTier(SecondaryTier):
         path.parent.mkdir(mode=0o700, exist_ok=True)
         identity = self.mapper.run_config()
         try:
+            if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block start-up forever
+                raise ConfigError(f"{path} exists and is not a regular file")
             existing = json.loads(path.read_text())
         except FileNotFoundError:
             tmp = f"{path}_{os.getpid()}_{secrets.randbits(63)}.tmp"
