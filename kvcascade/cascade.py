@@ -302,12 +302,11 @@ class Cascade:
             raise TierUnavailableError("the cascade is closed")
         _check_request(keys, ctx, gpu_ids)
         if gpu_ids is not None and len(gpu_ids):
-            ids = np.asarray(gpu_ids, dtype=np.int64)
             n = self.device.kv.shape[0]
-            bad = ids[(ids < 0) | (ids >= n)]
-            if len(bad):
-                raise ValueError(f"GPU block ids out of range [0, {n}): {bad[:8].tolist()}")
-            listed = ids.tolist()
+            listed = [int(i) for i in gpu_ids]
+            bad = [i for i in listed if not 0 <= i < n]
+            if bad:
+                raise ValueError(f"GPU block ids out of range [0, {n}): {bad[:8]}")
             if len(set(listed)) < len(listed):
                 repeated = sorted({i for i in listed if listed.count(i) > 1})[:8]
                 raise ValueError(f"GPU block ids given for more than one key: {repeated}")
@@ -318,7 +317,8 @@ def _check_request(keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Any = None) 
 
     Raises:
         TypeError: ``keys`` is not a sequence of ``bytes`` (a single key, str or int keys),
-            ``ctx`` is not a :class:`ReqContext`, or a GPU id is not an integer.
+            ``ctx`` is not a :class:`ReqContext`, ``gpu_ids`` is not a list, tuple or numpy
+            array (a set has no order, a generator no length), or a GPU id is not an integer.
         ValueError: ``keys`` and ``gpu_ids`` differ in length, or a key is too short to be an
             offload key (block hash + 4-byte group index, :func:`kvcascade.make_offload_key`).
     """
@@ -335,6 +335,11 @@ def _check_request(keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Any = None) 
     _check_ctx(ctx)
     if gpu_ids is None:
         return
+    if not isinstance(gpu_ids, (Sequence, np.ndarray)) or isinstance(gpu_ids, (str, bytes)):
+        raise TypeError(
+            "GPU block ids must be a list, tuple or numpy array of ints (ordered like the keys), "
+            f"got {type(gpu_ids).__name__}"
+        )
     if len(keys) != len(gpu_ids):
         raise ValueError(f"{len(keys)} keys but {len(gpu_ids)} GPU block ids")
     for gpu_id in gpu_ids:

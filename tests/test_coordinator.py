@@ -439,6 +439,9 @@ async def test_cascade_api_rejects_arguments_that_would_do_the_wrong_thing() -> 
             ([key(1)], [4], ValueError, "GPU block ids out of range [0, 4): [4]"),
             ([key(1), key(2)], [-1, 0], ValueError, "out of range [0, 4): [-1]"),
             ([key(1), key(2), key(3)], [2, 0, 2], ValueError, "more than one key: [2]"),
+            ([key(1)], [2**70], ValueError, f"out of range [0, 4): [{2**70}]"),
+            ([key(1), key(2)], {0, 1}, TypeError, "got set"),
+            ([key(1)], (i for i in [0]), TypeError, "got generator"),
         ]:
             try:
                 await cascade.store(keys, ctx, ids)
