@@ -6,7 +6,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -303,10 +305,25 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvcascade`` command; returns the exit code."""
     logging.basicConfig(level=logging.WARNING, format="kvcascade: %(levelname)s: %(message)s")
     args = _parser().parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C: the replay's temporary fs tier directory is removed.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
+    try:
+        return _run(args)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if args.command == "replay" and args.compare_policies:
             return _compare(args)

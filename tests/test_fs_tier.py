@@ -266,7 +266,7 @@ def test_config_json_fifo_is_refused_not_read(tmp_path: Path, host: kc.HostBuffe
     fifo = tmp_path / m.config_relative_path()
     fifo.parent.mkdir(parents=True)
     os.mkfifo(fifo, 0o600)
-    with pytest.raises(kc.ConfigError, match="config.json exists and is not a regular file"):
+    with pytest.raises(kc.ConfigError, match=r"config\.json exists and is not a regular file"):
         FileSystemTier(host, tmp_path, m)
 
 

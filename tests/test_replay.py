@@ -5,8 +5,10 @@ from __future__ import annotations
 import collections
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -244,6 +246,37 @@ def test_negative_size_exits_nonzero_without_traceback() -> None:
     assert proc.returncode == 2
     assert "-5" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_replay_removes_its_temporary_fs_tier(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    """Ctrl-C or SIGTERM during ``kvcascade replay`` (fs tier in a temporary directory): exit
+    status 130, "interrupted", and the temporary directory with its block files is gone (a
+    SIGTERM used to leave hundreds of MB behind)."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvcascade._cli", "replay", "--quiet"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        until = time.monotonic() + 120
+        while time.monotonic() < until and not any(
+            p.rglob("*.bin") for p in tmp_path.glob("kvcascade-replay-*")
+        ):
+            time.sleep(0.05)
+        assert list(tmp_path.glob("kvcascade-replay-*")), "the replay never wrote a block"
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "kvcascade: interrupted" in err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_fs_max_bytes_bounds_the_fs_tier(tmp_path: Path) -> None:
