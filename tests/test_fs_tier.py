@@ -562,6 +562,43 @@ def _unblock_fifo(fifo: Path) -> None:
         os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
 
 
+def on_disk(root: Path) -> int:
+    """Bytes of the block files under ``root``."""
+    return sum(p.stat().st_size for p in files(root, ".bin"))
+
+
+@pytest.mark.parametrize("found_by", ["contains", "lookup", "load", "store"])
+async def test_block_file_deleted_from_outside_is_forgotten(
+    tmp_path: Path, host: kc.HostBuffer, found_by: str
+) -> None:
+    """Issue #14 item 6: a block file deleted behind the tier's back (an operator's rm, another
+    process sharing the directory) leaves the size index as soon as a probe, a load or a store
+    of its key finds it gone: ``used_bytes`` is the bytes on disk again and a store that fits
+    evicts no real file (it used to count the ghost and evict the least recent real file)."""
+    tier = make_tier(tmp_path, host, max_bytes=3 * file_size(BLOCK))
+    async with running(tier):
+        assert (await store(tier, host, [1, 2, 3])).success
+        os.remove(tier.path_of(key(2)))
+        if found_by == "contains":
+            assert await tier.contains([key(2)]) == [False]
+        elif found_by == "lookup":
+            assert await lookups(tier, [key(2)], kc.ReqContext("r")) == [R.MISS]
+        elif found_by == "load":  # the key after the gone one is not loaded, still indexed
+            result = await load(tier, [1, 2, 3], [8, 9, 10])
+            assert not result.success and result.successful_keys == [key(1)]
+        if found_by != "store":
+            assert tier.used_bytes == on_disk(tmp_path) == 2 * file_size(BLOCK)
+        new = 2 if found_by == "store" else 4
+        assert (await store(tier, host, [new], [5])).success
+        assert tier.counters["evictions"] == 0
+        assert await tier.contains([key(i) for i in (1, 3, new)]) == [True] * 3
+        assert tier.used_bytes == on_disk(tmp_path) == 3 * file_size(BLOCK)
+        # The index holds exactly the files on disk: the next store evicts one real file.
+        assert (await store(tier, host, [7], [6])).success
+        assert tier.counters["evictions"] == 1
+        assert tier.used_bytes == on_disk(tmp_path) == 3 * file_size(BLOCK)
+
+
 # -- restart ---------------------------------------------------------------------------------
 async def test_restart_reuses_files_rebuilds_size_and_removes_stale_temps(
     tmp_path: Path, host: kc.HostBuffer

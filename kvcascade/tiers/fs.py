@@ -39,8 +39,9 @@ Capacity: with ``max_bytes`` the tier keeps an LRU index of its files (access re
 on a store of a key already present, and on :meth:`FileSystemTier.touch`); a store that would
 exceed ``max_bytes`` first deletes the least recently used files (``counters["evictions"]``,
 one removal event per store batch). Files being read are skipped by eviction; a load of a file
-evicted meanwhile fails that block like a miss. ``max_bytes`` counts file sizes (header and
-padding included). Without ``max_bytes`` files accumulate, as in vLLM.
+evicted meanwhile fails that block like a miss. A file deleted from outside the tier leaves the
+index when a probe, load or store of its key finds it gone. ``max_bytes`` counts file sizes
+(header and padding included). Without ``max_bytes`` files accumulate, as in vLLM.
 
 Restart: a new tier on an existing directory serves the files there. At start-up (inside
 :meth:`~kvcascade.tiers.base.SecondaryTier.run`, on an I/O thread) it scans its namespace
@@ -431,11 +432,19 @@ class FileSystemTier(SecondaryTier):
                     self._used += size
 
     def _forget(self, key: bytes) -> None:
-        if self._index is not None:
-            with self._lock:
-                size = self._index.pop(key, None)
-                if size is not None:
-                    self._used -= size
+        """Drop ``key`` from the size index: its file was found gone (deleted from outside the
+        tier: an operator's ``rm``, another process sharing the directory) or was deleted as
+        corrupt. A file present again by the time the entry is gone (a concurrent store of the
+        key) is indexed again, so the index never loses a file it must count."""
+        if self._index is None:
+            return
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is None:
+                return
+            self._used -= size
+        if os.path.exists(self.path_of(key)):
+            self._record(key, size, reserved=False)
 
     def _stored_event_keys(self, keys: Sequence[bytes]) -> list[bytes]:
         if self._index is None:
@@ -526,7 +535,9 @@ class FileSystemTier(SecondaryTier):
             for j, fd in enumerate(fds):
                 if fd == exists:
                     self._record(batch[j], self.block_file_bytes, reserved=False)
-                elif not self._evict_and_reserve(size):
+                    continue
+                self._forget(batch[j])  # an index entry left by a file deleted from outside
+                if not self._evict_and_reserve(size):
                     failure, reserved = (j, _no_room(size)), j
                     break
         committed = handled = 0  # blocks stored / blocks whose temp file is dealt with
@@ -602,6 +613,7 @@ class FileSystemTier(SecondaryTier):
         if os.path.exists(path):
             self._record(key, self.block_file_bytes, reserved=False)
             return 0
+        self._forget(key)  # an index entry left by a file deleted from outside
         size = HEADER_BYTES + len(row)
         if not self._evict_and_reserve(size):
             raise _no_room(size)
@@ -723,6 +735,8 @@ class FileSystemTier(SecondaryTier):
             _unlink_quietly(self.path_of(batch[i]))
             self._forget(batch[i])
             raise TransferError(str(exc), keys[: lo + i]) from exc
+        if isinstance(exc, FileNotFoundError):
+            self._forget(batch[i])
         raise TransferError(
             f"fs load of block {lo + i} failed: {_naming(exc, self.path_of(batch[i]))}",
             keys[: lo + i],
@@ -742,6 +756,8 @@ class FileSystemTier(SecondaryTier):
                 self._forget(key)
                 raise TransferError(str(exc), keys[:i]) from exc
             except OSError as exc:
+                if isinstance(exc, FileNotFoundError):
+                    self._forget(key)
                 raise TransferError(
                     f"fs load of block {i} failed: {_naming(exc, path)}", keys[:i]
                 ) from exc
@@ -780,7 +796,17 @@ class FileSystemTier(SecondaryTier):
         return len(payload)
 
     def _probe(self, keys: Sequence[bytes]) -> list[bool]:
-        return [os.path.isfile(self.path_of(k)) for k in keys]
+        """Whether each key's block file is a regular file; a key found gone leaves the index."""
+        found = []
+        for key in keys:
+            try:
+                found.append(stat.S_ISREG(os.stat(self.path_of(key)).st_mode))
+            except FileNotFoundError:
+                found.append(False)
+                self._forget(key)
+            except (OSError, ValueError):  # as os.path.isfile: ENOTDIR, ELOOP, ...
+                found.append(False)
+        return found
 
 
 def _failure(values: list[int], kind: int, message: str) -> tuple[int, OSError] | None:
