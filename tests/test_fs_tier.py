@@ -630,6 +630,31 @@ async def test_restart_reuses_files_rebuilds_size_and_removes_stale_temps(
         assert (await load(second, [3], [4])).success and bytes(host.row(4)) == pattern(3)
 
 
+@pytest.mark.parametrize("fstype", ["ramfs", None])
+async def test_restart_evicts_in_write_order_within_one_clock_tick(
+    tmp_path: Path, host: kc.HostBuffer, fstype: str | None
+) -> None:
+    """Issue #14 item 11b: blocks stored within one tick of the kernel's file clock are evicted
+    after a restart oldest first, not in key (hash) order. ramfs stamps files from the coarse
+    clock (as ext4 and tmpfs do on kernels before 6.13) and keeps explicit nanoseconds: the
+    tier sets every new file's mtime from a strictly increasing clock; ``None``: ``tmp_path``."""
+    ids = sorted(range(20, 26), key=key, reverse=True)  # written in descending key order
+    with contextlib.ExitStack() as stack:
+        root = stack.enter_context(mounted(tmp_path / "mnt", fstype)) if fstype else tmp_path
+        first = make_tier(root, host, max_bytes=10 * file_size(BLOCK))
+        async with running(first):
+            assert (await store(first, host, ids)).success
+        stamps = [os.stat(first.path_of(key(i))).st_mtime_ns for i in ids]
+        assert stamps == sorted(set(stamps))  # strictly increasing in write order
+        second = make_tier(root, host, max_bytes=len(ids) * file_size(BLOCK))
+        async with running(second):
+            assert second.used_bytes == len(ids) * file_size(BLOCK)
+            for n, new in enumerate((30, 31), 1):
+                assert (await store(second, host, [new], [8])).success
+                assert second.counters["evictions"] == n
+            assert await second.contains([key(i) for i in ids]) == [False, False] + [True] * 4
+
+
 # -- deadlines and back-pressure --------------------------------------------------------------
 async def test_stalled_reader_fails_at_deadline_and_others_finish(
     tmp_path: Path, host: kc.HostBuffer
@@ -855,15 +880,17 @@ async def test_kill_9_while_writing_1000_blocks(tmp_path: Path, io_path: str) ->
 
 
 @contextlib.contextmanager
-def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+def mounted(path: Path, fstype: str, options: str = "defaults") -> Iterator[Path]:
+    """A fresh ``fstype`` filesystem mounted on ``path`` (created) for the ``with`` block; skips
+    the test where it cannot be mounted (needs root)."""
     path.mkdir()
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        ["mount", "-t", fstype, "-o", options, fstype, str(path)],
         capture_output=True,
         text=True,
     )
     if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs (needs root): {done.stderr.strip()}")
+        pytest.skip(f"cannot mount a {fstype} (needs root): {done.stderr.strip()}")
     try:
         yield path
     finally:
@@ -875,7 +902,7 @@ async def test_enospc_fails_cleanly_and_loads_keep_working(
 ) -> None:
     """Issue #5 tests: stores into a full filesystem fail cleanly (failed job, no temp or
     partial file), and the tier keeps serving loads of what it stored."""
-    with small_tmpfs(tmp_path / "mnt", "128k") as root:
+    with mounted(tmp_path / "mnt", "tmpfs", "size=128k") as root:
         tier = make_tier(root, host)
         async with running(tier):
             results = [await store(tier, host, [i], [i % 4]) for i in range(20)]
@@ -898,7 +925,7 @@ async def test_read_only_filesystem_store_hits_and_misses(
     """Issue #5 (failure behaviour): on a filesystem remounted read-only, a store of blocks
     already there succeeds (a store hit, as in vLLM's fs tier, which checks existence first),
     a store of a new block fails with EROFS after the present ones before it, and loads go on."""
-    with small_tmpfs(tmp_path / "mnt", "4m") as root:
+    with mounted(tmp_path / "mnt", "tmpfs", "size=4m") as root:
         tier = make_tier(root, host)
         async with running(tier):
             assert (await store(tier, host, [1, 2, 3])).success
@@ -1199,7 +1226,7 @@ async def test_store_job_failing_twice_midway_cleans_up(tmp_path: Path) -> None:
     stored whole, and no temp file or partial file is left."""
     host = kc.HostBuffer(20, BLOCK)
     try:
-        with small_tmpfs(tmp_path / "mnt", "128k") as root:
+        with mounted(tmp_path / "mnt", "tmpfs", "size=128k") as root:
             tier = make_tier(root, host)
             async with running(tier):
                 squat = Path(tier.path_of(key(19))).parent

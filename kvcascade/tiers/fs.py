@@ -18,19 +18,20 @@ a 4 MiB one).
 I/O (same rules as vLLM's fs tier, spec §4.3): O_DIRECT is probed once per namespace directory at
 construction (one aligned page written to a probe file); any error (overlayfs, old tmpfs, some
 NFS) selects buffered I/O for the tier's lifetime. A store writes ``<path>_<pid>_<random>.tmp``
-opened ``O_CREAT|O_EXCL`` (mode 0600) with one vectored write (header + payload), closes it and
-``os.replace``-s it over ``<path>``, so a reader sees no file or the whole file; a key whose file
-exists is not rewritten. A load opens the file and reads header and payload with one vectored
-read straight into the primary row. A short file is deleted and fails its block; a header,
-key or checksum mismatch deletes the file, counts ``counters["corrupt_blocks"]`` and fails the
-block, so the caller recomputes. Other errors (missing file, EIO, …) fail the block and leave the
-file alone. Batches stop at the first failing block and report the blocks before it as done.
+opened ``O_CREAT|O_EXCL`` (mode 0600) with one vectored write (header + payload), with
+``max_bytes`` sets its mtime (:meth:`FileSystemTier._stamps`), closes it and ``os.replace``-s it
+over ``<path>``, so a reader sees no file or the whole file; a key whose file exists is not
+rewritten. A load opens the file and reads header and payload with one vectored read straight
+into the primary row. A short file is deleted and fails its block; a header, key or checksum
+mismatch deletes the file, counts ``counters["corrupt_blocks"]`` and fails the block, so the
+caller recomputes. Other errors (missing file, EIO, …) fail the block and leave the file alone.
+Batches stop at the first failing block and report the blocks before it as done.
 
 Compiled path: once the kernel extension is loaded (:func:`compiled_fs_io`, built in the
 background on first use), each job runs through ``kernels/fs_io.cpp`` a batch of up to
 :data:`COMPILED_BATCH` blocks per call with the GIL released: stores as open (existence check,
 temp file) → write (checksum, header, payload; the only call inside the row-access window) →
-commit (close, rename); loads as open → read + verify. Where a read or write is a CPU copy
+commit (mtime, close, rename); loads as open → read + verify. Where a read or write is a CPU copy
 (buffered I/O or tmpfs), blocks above 256 KiB move in 256 KiB pieces, each hashed while it is in
 the CPU cache. Same files, same checks, same failure outcomes as the pure-Python path, which runs
 while the extension builds, if it cannot build, or with ``compiled_io=False``.
@@ -46,7 +47,9 @@ index when a probe, load or store of its key finds it gone. ``max_bytes`` counts
 Restart: a new tier on an existing directory serves the files there. At start-up (inside
 :meth:`~kvcascade.tiers.base.SecondaryTier.run`, on an I/O thread) it scans its namespace
 directory: temp files of a dead process, or older than ``io_timeout_s``, are deleted, and with
-``max_bytes`` the index is rebuilt (recency = file modification time) and trimmed to the bound.
+``max_bytes`` the index is rebuilt (recency = file modification time in ns, which a bounded
+tier sets from a strictly increasing clock, :meth:`FileSystemTier._stamps`) and trimmed to the
+bound.
 
 Permissions: directories are created 0700 and files 0600 (KV bytes reveal prompts).
 """
@@ -258,6 +261,7 @@ class FileSystemTier(SecondaryTier):
             collections.OrderedDict() if max_bytes is not None else None
         )
         self._used = 0
+        self._last_stamp = 0  # the latest mtime (ns since the epoch) given to a new file
         self._readers: collections.Counter[bytes] = collections.Counter()
         self._evicting: set[bytes] = set()
         self._buffers = threading.local()
@@ -328,7 +332,7 @@ class FileSystemTier(SecondaryTier):
 
     def _scan(self) -> None:
         """Delete stale temp files; with ``max_bytes``, rebuild the LRU index and trim it."""
-        found: list[tuple[float, bytes, int]] = []
+        found: list[tuple[int, bytes, int]] = []
         stale = 0
         now = time.time()
         for top in _subdirs(self.data_dir):
@@ -348,16 +352,18 @@ class FileSystemTier(SecondaryTier):
                                 key = make_offload_key(bytes.fromhex(entry.name[:-4]), group)
                             except (OSError, ValueError):
                                 continue
-                            found.append((st.st_mtime, key, st.st_size))
+                            found.append((st.st_mtime_ns, key, st.st_size))
         if stale:
             log.info("fs tier %s: removed %d stale temp files", self.name, stale)
         if self._index is None:
             return
-        found.sort()
+        found.sort()  # oldest first; equal times (files of older versions) in key order
         with self._lock:
             for _, key, size in found:
                 self._index[key] = size
                 self._used += size
+            if found:  # new files are stamped after every file found, whatever the clock does
+                self._last_stamp = max(self._last_stamp, found[-1][0])
         self._evict_and_reserve(0)
 
     def _is_stale_temp(self, entry: os.DirEntry[str], now: float) -> bool:
@@ -411,6 +417,18 @@ class FileSystemTier(SecondaryTier):
                 OffloadingEvent([k for k, _ in victims], self.medium, True, self.name)
             )
         return ok
+
+    def _stamps(self, n: int) -> int:
+        """The first of ``n`` consecutive modification times (ns since the epoch) for files
+        written now: the wall clock, but strictly after every time given before and every file
+        found at start-up, so that the restart scan orders files as they were written even
+        where the kernel's file clock ticks coarsely (every few ms: many stores per tick).
+        Set only with ``max_bytes`` (one ``futimens`` per new file, ~1 µs): an unbounded tier
+        never evicts, and its files restarted under a bound fall back to the kernel's times."""
+        with self._lock:
+            first = max(time.time_ns(), self._last_stamp + 1)
+            self._last_stamp = first + n - 1
+        return first
 
     def _unreserve(self, size: int) -> None:
         if self._index is not None:
@@ -555,8 +573,9 @@ class FileSystemTier(SecondaryTier):
                 )
             failure = _failure(done, kind, message) or failure
             n = len(done)
+            stamp = self._stamps(n) if self._index is not None else 0  # 0: kernel's mtimes
             outcomes, kind, message = ext.fs_store_commit(
-                fds[:n], prefix, batch[:n], suffix, not check_first
+                fds[:n], prefix, batch[:n], suffix, not check_first, stamp
             )
             handled = len(outcomes)  # on a failure the failing block's temp file is gone too
             failure = _failure(outcomes, kind, message) or failure
@@ -642,6 +661,10 @@ class FileSystemTier(SecondaryTier):
                         if not written:
                             raise OSError(errno.EIO, f"short write to {tmp}")
                         done += written
+                if self._index is not None:  # recency after a restart (_stamps)
+                    stamp = self._stamps(1)
+                    with contextlib.suppress(OSError):  # refused: the file's own mtime stands
+                        os.utime(fd, ns=(stamp, stamp))
             finally:
                 os.close(fd)
             os.replace(tmp, path)
