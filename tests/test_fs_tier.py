@@ -599,6 +599,63 @@ async def test_block_file_deleted_from_outside_is_forgotten(
         assert tier.used_bytes == on_disk(tmp_path) == 3 * file_size(BLOCK)
 
 
+_TOUCH_A_SET = textwrap.dedent("""
+    import asyncio
+    import sys
+
+    import kvcascade as kc
+    from tier_helpers import key, running, store
+    from kvcascade.tiers._file_mapper import FileMapper, default_identity
+    from kvcascade.tiers.fs import FileSystemTier, file_size
+
+    async def main():
+        host = kc.HostBuffer(8, 4096)
+        tier = FileSystemTier(
+            host,
+            sys.argv[1],
+            FileMapper(default_identity()),
+            max_bytes=6 * file_size(4096),
+            compiled_io=False,
+        )
+        async with running(tier):
+            assert (await store(tier, host, list(range(6)))).success
+            tier.touch({key(i) for i in range(6)})
+            tier.take_events()
+            for i in (6, 7, 8):
+                assert (await store(tier, host, [i], [6])).success
+            ids = {key(i): i for i in range(6)}
+            print(*[ids[k] for e in tier.take_events() if e.removed for k in e.keys])
+        host.close()
+
+    asyncio.run(main())
+""")
+
+
+def test_touch_of_a_set_evicts_alike_under_every_hash_seed(tmp_path: Path, io_path: str) -> None:
+    """Issue #14: keys touched as a set (no order) are refreshed in key order, so which files
+    a bounded tier evicts never depends on PYTHONHASHSEED (it followed the set's iteration
+    order, which the seed decides for bytes)."""
+    if io_path != "python":
+        pytest.skip("no mover involved: runs once")
+    evicted = []
+    for seed in ("0", "1", "2"):
+        done = subprocess.run(
+            [sys.executable, "-c", _TOUCH_A_SET, str(tmp_path / f"seed{seed}")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)]),  # this checkout
+                "PYTHONHASHSEED": seed,
+            },
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        evicted.append(done.stdout.split())
+    oldest = [str(i) for i in sorted(range(6), key=key)[:3]]
+    assert evicted == [oldest] * 3
+
+
 # -- restart ---------------------------------------------------------------------------------
 async def test_restart_reuses_files_rebuilds_size_and_removes_stale_temps(
     tmp_path: Path, host: kc.HostBuffer

@@ -471,11 +471,14 @@ class FileSystemTier(SecondaryTier):
             return [k for k in keys if k in self._index]
 
     def touch(self, keys: Collection[bytes]) -> None:
-        """Mark ``keys`` most recently used (spec §3.8 recency; only with ``max_bytes``)."""
+        """Mark ``keys`` most recently used, the last one most (spec §3.8 recency; only with
+        ``max_bytes``). Keys given without an order (a set) are refreshed in key order, so that
+        eviction never depends on the iteration order of a set (PYTHONHASHSEED)."""
         if self._index is None:
             return
+        ordered = keys if isinstance(keys, Sequence) else sorted(keys)
         with self._lock:
-            for key in keys:
+            for key in ordered:
                 if key in self._index:
                     self._index.move_to_end(key)
 
