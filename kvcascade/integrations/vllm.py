@@ -24,9 +24,13 @@ failed load is reported through ``failed_recving`` and vLLM recomputes the reque
 from __future__ import annotations
 
 import concurrent.futures
+import concurrent.futures.thread  # registers its exit hook before ours (see _close_at_exit)
 import contextlib
+import hashlib
+import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -166,8 +170,7 @@ class _Setup:
     cpu_page_size: int
     block_bytes: int
     model_name: str
-    dtype: str
-    tokens_per_hash: int
+    identity: dict[str, Any]
 
 
 def _group_spec(spec: Any, tokens_per_chunk: int, tokens_per_block: int) -> GroupSpec:
@@ -180,6 +183,82 @@ def _group_spec(spec: Any, tokens_per_chunk: int, tokens_per_block: int) -> Grou
     raise ValueError(
         f"kvcascade's connector does not offload {type(spec).__name__} KV-cache groups "
         "(Mamba/recurrent state is not supported)"
+    )
+
+
+#: Keys of the HF config that name where or by which library it was written, never what the
+#: model computes; left out of ``hf_config_sha256`` so that a copy of a model shares its KV.
+_HF_CONFIG_VOLATILE = ("_name_or_path", "transformers_version", "_commit_hash")
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as JSON-able data that is the same in every process (a callable by its name)."""
+    if callable(value):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', '?')}"
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def _namespace_identity(
+    vllm_config: VllmConfig,
+    offload: Any,
+    kv_cache_config: KVCacheConfig,
+    block_bytes: int,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
+    """The namespace identity of the secondary tiers, from the engine's own configuration.
+
+    Two engines share KV files iff these fields are equal (``docs/vllm.md`` lists them and what
+    a change does): the model (``model``, ``model_revision``, ``model_name`` from the extra
+    config or the model), ``model_dtype`` and the resolved KV ``dtype``/``kv_cache_dtype``, the
+    KV layout vLLM resolved (``CacheConfig.kv_cache_layout``, ``vllm/v1/kv_cache_layout.py``),
+    tokens per block / hash and ``blocks_per_file``, tp/pp/pcp/dcp sizes and ``world_size``
+    (a row holds every worker's slot in rank order), ``block_bytes``, ``quantization``,
+    ``hf_overrides``, ``max_position_embeddings``, ``rope`` and a digest of the whole HF text
+    config (every field that changes what the model computes), and the top-level
+    ``cache_salt``. A tier's own ``cache_salt`` is folded in by the tier
+    (:meth:`~kvcascade.tiers._file_mapper.FileMapper.with_salt`).
+
+    Raises:
+        RuntimeError: vLLM has not resolved the KV cache layout yet.
+    """
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    par = vllm_config.parallel_config
+    layout = cache.kv_cache_layout or kv_cache_config.kv_cache_layout
+    if layout is None:  # resolved by the engine core before any connector is built
+        raise RuntimeError("vLLM has not resolved the KV cache layout (kv_cache_layout is None)")
+    hf = model.hf_text_config.to_dict()
+    rope = hf.get("rope_parameters") or {
+        k: hf[k] for k in ("rope_scaling", "rope_theta") if hf.get(k) is not None
+    }
+    digest_fields = {k: v for k, v in hf.items() if k not in _HF_CONFIG_VOLATILE}
+    hf_digest = hashlib.sha256(
+        json.dumps(digest_fields, sort_keys=True, default=str).encode()
+    ).hexdigest()
+    return default_identity(
+        model_name=extra.get("model_name") or model.model,
+        dtype=offload.model.dtype,
+        tokens_per_block=[g.tokens_per_block for g in offload.groups],
+        tokens_per_hash=offload.cache.tokens_per_hash,
+        blocks_per_chunk=offload.cache.blocks_per_chunk,
+        layer_names=[g.layer_names for g in offload.groups],
+        tp_size=par.tensor_parallel_size,
+        pp_size=par.pipeline_parallel_size,
+        pcp_size=par.prefill_context_parallel_size,
+        dcp_size=par.decode_context_parallel_size,
+        kv_layout=layout,
+        model_revision=model.revision,
+        cache_salt=extra.get("cache_salt"),
+        model=model.model,
+        model_dtype=str(model.dtype).removeprefix("torch."),
+        kv_cache_dtype=cache.cache_dtype,
+        world_size=par.world_size,
+        block_bytes=block_bytes,
+        quantization=model.quantization,
+        hf_overrides=_jsonable(model.hf_overrides),
+        max_position_embeddings=hf.get("max_position_embeddings"),
+        rope=_jsonable(rope),
+        hf_config_sha256=hf_digest,
     )
 
 
@@ -245,9 +324,33 @@ def _setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> _Setup:
         geometry.cpu_page_size,
         geometry.block_bytes,
         offload.model.name,
-        offload.model.dtype,
-        offload.cache.tokens_per_hash,
+        _namespace_identity(vllm_config, offload, kv_cache_config, geometry.block_bytes, extra),
     )
+
+
+# -- engines in this process --------------------------------------------------------------------
+#: The open scheduler and worker sides of this process, by engine (instance id).
+_LOCAL_SCHEDULERS: dict[str, _SchedulerSide] = {}
+_LOCAL_WORKERS: dict[str, _WorkerSide] = {}
+
+
+def _close_at_exit() -> None:
+    """Close every engine side still open when the interpreter exits (an offline script that
+    never closes its ``LLM``), workers first so their last stores reach the scheduler side.
+
+    Registered with ``threading``'s exit hooks, which run before ``concurrent.futures``
+    refuses new work (its own hook, registered earlier, runs later) and before daemon threads
+    such as the loop are abandoned; vLLM's own finalizer (``atexit``) comes after that, too
+    late for the tiers' executors (``cannot schedule new futures after interpreter shutdown``).
+    """
+    for side in [*_LOCAL_WORKERS.values(), *_LOCAL_SCHEDULERS.values()]:
+        try:
+            side.close()
+        except Exception:
+            log.exception("kvcascade: closing the connector at interpreter exit failed")
+
+
+threading._register_atexit(_close_at_exit)  # type: ignore[attr-defined]
 
 
 # -- scheduler side ----------------------------------------------------------------------------
@@ -350,16 +453,7 @@ def _build_tiers(setup: _Setup, region: SharedOffloadRegion) -> Any:
     )
 
     def build() -> tuple[TieringCoordinator, list[SecondaryTier]]:
-        identity = default_identity(
-            model_name=setup.model_name,
-            dtype=setup.dtype,
-            tokens_per_block=[g.tokens_per_block for g in setup.scheduler.groups],
-            tokens_per_hash=setup.tokens_per_hash,
-            blocks_per_chunk=setup.scheduler.blocks_per_chunk,
-            layer_names=setup.layer_names,
-            tp_size=setup.world_size,
-        )
-        ctx = TierContext(region, identity)  # type: ignore[arg-type]
+        ctx = TierContext(region, setup.identity)  # type: ignore[arg-type]
         tiers: list[SecondaryTier] = []
         try:
             for tier_cfg in config.secondary_tiers:
@@ -397,13 +491,54 @@ class _SchedulerSide:
             raise
         self.sched = OffloadScheduler(setup.scheduler, _PortalManager(self.loop))
         self.transfer_totals = KVCascadeWorkerMetadata()
+        self.finished_unbuilt: set[str] = set()  # finished since the last build_connector_meta
+        _LOCAL_SCHEDULERS[setup.instance_id] = self
+
+    def apply_results(self, meta: KVCascadeWorkerMetadata) -> None:
+        """Apply a worker's transfer results (its stores complete: their blocks cascade)."""
+        self.transfer_totals = self.transfer_totals.aggregate(
+            KVCascadeWorkerMetadata(
+                {}, set(), meta.load_bytes, meta.store_bytes, meta.load_seconds, meta.store_seconds
+            )
+        )  # type: ignore[assignment]
+        self.sched.on_jobs_finished(meta.completed, meta.failed)
 
     def close(self) -> None:
+        """Drain the tiers (bounded, ``LoopThread.close``), stop the loop, release the region;
+        idempotent."""
+        _LOCAL_SCHEDULERS.pop(self.setup.instance_id, None)
         self.loop.close()
         self.region.cleanup()
 
 
 # -- worker side -------------------------------------------------------------------------------
+def _block_runs(cache: torch.Tensor) -> list[torch.Tensor]:
+    """Zero-copy int8 views ``(num_blocks, run_bytes)`` of one layer's cache, whatever layout
+    vLLM registered: together, row ``b`` of the views holds every byte of block ``b``.
+
+    ``cache`` is the layer's view as vLLM's ``create_kv_cache_views``
+    (``vllm/v1/kv_cache_interface.py``) builds it — logical ``(B, H, N, C)`` (or ``B`` split into
+    manager × kernel blocks by ``group_kernel_blocks``), strided by the resolved
+    ``KVCacheLayout``. The dimensions after ``B`` are taken in physical (stride) order; those
+    forming one contiguous run with the innermost stay in the row, the others are split off in
+    front of ``B`` (one view per index): LBHNC, LBNHC, BLHNC and BLNHC give one view (a block
+    is one run of a layer's bytes), LHBNC and BHLNC one view per head.
+
+    Raises:
+        ValueError: the block's bytes are not covered by such views (overlapping strides).
+    """
+    inner = sorted(range(1, cache.dim()), key=cache.stride, reverse=True)
+    dense: list[int] = []
+    run = 1
+    for dim in reversed(inner):
+        if cache.shape[dim] != 1 and cache.stride(dim) != run:
+            break
+        dense.insert(0, dim)
+        run *= cache.shape[dim]
+    outer = inner[: len(inner) - len(dense)]
+    return block_views(cache.permute(*outer, 0, *dense), block_dim=len(outer))
+
+
 @dataclass
 class _LayerViews:
     gpu: torch.Tensor  # int8 (num_gpu_blocks, page) over the layer's cache
@@ -436,6 +571,7 @@ class _WorkerSide:
         self._meta = KVCascadeWorkerMetadata()
         self.load_failed_blocks: set[int] = set()
         self._streams: dict[bool, torch.cuda.Stream] = {}
+        _LOCAL_WORKERS[setup.instance_id] = self
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         setup = self.setup
@@ -449,7 +585,7 @@ class _WorkerSide:
             expected_participants=setup.world_size + 1,
         )
         k = setup.scheduler.blocks_per_chunk
-        seen: dict[tuple[int, int], torch.Tensor] = {}
+        seen: set[tuple[int, int]] = set()
         for gid in setup.group_ids:
             group = self.kv_cache_config.kv_cache_groups[gid]
             views: list[_LayerViews] = []
@@ -459,10 +595,11 @@ class _WorkerSide:
                 ident = (ref.data_ptr(), ref.stride(0))
                 if ident in seen:  # layers sharing one tensor share its bytes
                     continue
-                (gpu,) = block_views(ref)  # zero-copy int8 (num_blocks, page), spec §1.6
-                page = gpu.shape[1]
-                seen[ident] = gpu
-                views.append(_LayerViews(gpu, self.region.create_next_worker_view(page * k), page))
+                seen.add(ident)
+                for gpu in _block_runs(ref):
+                    page = gpu.shape[1]
+                    cpu = self.region.create_next_worker_view(page * k)
+                    views.append(_LayerViews(gpu, cpu, page))
             self.groups.append(views)
         if self.device.type == "cuda":  # one side stream per direction (one copy thread each)
             self._streams = {store: torch.cuda.Stream(self.device) for store in (True, False)}
@@ -579,7 +716,21 @@ class _WorkerSide:
         return meta if meta.completed else None
 
     def close(self) -> None:
+        """Run the queued stores, wait for every copy, hand the results to this engine's
+        scheduler side when it lives in this process (vLLM's ``uni`` executor: the engine steps
+        no more, so they would be lost), release the region; idempotent."""
+        if _LOCAL_WORKERS.pop(self.setup.instance_id, None) is None:
+            return
+        if self.groups:
+            self._submit_queued()
         concurrent.futures.wait([r.future for r in self._running])
+        self.finished()
+        sched = _LOCAL_SCHEDULERS.get(self.setup.instance_id)
+        if sched is not None and self._meta.completed:
+            try:
+                sched.apply_results(self.take_meta())  # type: ignore[arg-type]
+            except Exception:
+                log.exception("kvcascade: applying the last transfer results at close failed")
         self._stores.shutdown(wait=True)
         self._loads.shutdown(wait=True)
         self.groups = []
@@ -677,6 +828,8 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
             [r.req_id for r in scheduler_output.scheduled_new_reqs],
             [c.dst_block_id for c in scheduler_output.kv_cache_block_copies or ()],
         )
+        assert self._sched_side is not None
+        self._sched_side.finished_unbuilt.clear()
         try:
             plan = self.scheduler.build_step(step)
         except Exception:
@@ -689,19 +842,16 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
         if not isinstance(meta, KVCascadeWorkerMetadata):
             return
         assert self._sched_side is not None
-        self._sched_side.transfer_totals = self._sched_side.transfer_totals.aggregate(
-            KVCascadeWorkerMetadata(
-                {}, set(), meta.load_bytes, meta.store_bytes, meta.load_seconds, meta.store_seconds
-            )
-        )  # type: ignore[assignment]
         try:
-            self.scheduler.on_jobs_finished(meta.completed, meta.failed)
+            self._sched_side.apply_results(meta)
         except Exception:
             log.exception("kvcascade: applying transfer results failed")
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched_side is not None
+        self._sched_side.finished_unbuilt.add(request.request_id)
         try:
             self.scheduler.request_finished(request.request_id)
         except Exception:
@@ -714,6 +864,13 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
         return self.request_finished(request, [])
 
     def has_pending_push_work(self) -> bool:
+        """True while the engine must keep stepping for kvcascade (vLLM's ``Scheduler.has_requests``
+        and, at shutdown, ``EngineCore.has_work`` read it): a request finished since the last
+        step (its last chunks' store jobs are built next step), a GPU→CPU store not yet
+        acknowledged by every worker, or a tier job in flight."""
+        assert self._sched_side is not None
+        if self._sched_side.finished_unbuilt:
+            return True
         try:
             return self.scheduler.has_pending_work()
         except Exception:

@@ -12,7 +12,8 @@ The identity holds vLLM's fields (``model_name``, ``dtype``, ``tokens_per_hash``
 ``blocks_per_file``, ``tp_size``/``pp_size``/``pcp_size``/``dcp_size``, ``kv_cache_groups``,
 ``inference_engine`` and the conditional ``parallel_agnostic``/``replicated_layout``/
 ``canonical_format``) plus kvcascade's: ``kv_layout``, ``format_version`` (the on-disk block
-format), ``model_revision`` and ``cache_salt`` when given. ``inference_engine`` is
+format), ``model_revision`` and ``cache_salt`` when given; the vLLM connector adds the engine's
+own configuration (``docs/vllm.md`` "Namespaces"). ``inference_engine`` is
 ``"kvcascade"`` and ``format_version`` is always present, so a kvcascade namespace never
 collides with a vLLM one (vLLM files carry no header; the two must not read each other's files).
 """
@@ -63,8 +64,13 @@ class FileMapper:
         self.namespace = f"{self.base_name}_r{self.rank}"
 
     def with_salt(self, cache_salt: str) -> FileMapper:
-        """The same namespace with ``cache_salt`` (a tenant salt) folded into the identity."""
-        return FileMapper({**self.identity, "cache_salt": cache_salt}, self.rank)
+        """The same namespace with ``cache_salt`` (a tier's tenant salt) folded into the
+        identity: ``cache_salt`` becomes ``[top-level salt, tier salt]`` when the identity
+        already has a salt (a tier salt refines the top-level one, never replaces it), else
+        the tier salt."""
+        top = self.identity.get("cache_salt")
+        salt: str | list[str] = [top, cache_salt] if top else cache_salt
+        return FileMapper({**self.identity, "cache_salt": salt}, self.rank)
 
     def relative_path(self, key: bytes) -> str:
         """``<namespace>/<hhh>/<hh>_g<group>/<hex>.bin`` for ``key`` (no leading slash)."""
