@@ -59,7 +59,6 @@ def worker_for(kv_cache_config: object) -> kcv._WorkerSide:
         extra={},
         scheduler=SchedulerConfig((GroupSpec(16),), 16, K),
         group_ids=(0,),
-        layer_names=(LAYERS,),
         instance_id=f"test-layouts-{uuid.uuid4().hex}",
         rank=0,
         world_size=1,

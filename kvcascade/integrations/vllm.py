@@ -162,7 +162,6 @@ class _Setup:
     extra: dict[str, Any]
     scheduler: SchedulerConfig
     group_ids: tuple[int, ...]
-    layer_names: tuple[tuple[str, ...], ...]
     instance_id: str
     rank: int
     world_size: int
@@ -316,7 +315,6 @@ def _setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> _Setup:
         extra,
         scheduler,
         tuple(g.group_id for g in offload.groups),
-        tuple(g.layer_names for g in offload.groups),
         offload.engine_id.replace("/", "_"),
         par.rank,
         par.world_size,
