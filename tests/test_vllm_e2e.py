@@ -9,7 +9,10 @@ with dummy (random) weights: no network access.
 from __future__ import annotations
 
 import gc
+import json
 import os
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +28,7 @@ with warnings.catch_warnings():  # vLLM's and torch's import-time deprecations a
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    import kvcascade
     from kvcascade.integrations import vllm as kcv
 
 # vLLM's own warnings are not this project's to fix.
@@ -32,12 +36,11 @@ pytestmark = pytest.mark.filterwarnings("default")
 
 PROMPT = [(i * 7) % 997 + 1 for i in range(100)]  # 3 full blocks of 32 tokens + 4
 OTHER = [(i * 13) % 991 + 3 for i in range(70)]
+THIRD = [(i * 11) % 983 + 5 for i in range(70)]  # 2 full blocks
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-llama")
+def write_model(path: Path) -> None:
     transformers.LlamaConfig(
         hidden_size=128,
         intermediate_size=256,
@@ -47,24 +50,49 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         vocab_size=1000,
         max_position_embeddings=512,
     ).save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    write_model(path)
     return path
 
 
-def make_llm(model_dir: Path, kv_transfer_config: dict[str, Any] | None = None) -> LLM:
+def make_llm(
+    model_dir: Path, kv_transfer_config: dict[str, Any] | None = None, **engine_args: Any
+) -> LLM:
     return LLM(
         model=str(model_dir),
         load_format="dummy",
         skip_tokenizer_init=True,
         enforce_eager=True,
         block_size=32,
-        dtype="bfloat16",
+        dtype=engine_args.pop("dtype", "bfloat16"),
         kv_cache_memory_bytes=64 << 20,
         seed=0,
         max_model_len=512,
         distributed_executor_backend="uni",
         enable_prefix_caching=False,
         kv_transfer_config=kv_transfer_config,
+        **engine_args,
     )
+
+
+def fs_config(root: Path | str, **extra: Any) -> dict[str, Any]:
+    """A kv_transfer_config for kvcascade with a CPU tier of 4 MiB and an fs tier at ``root``."""
+    return {
+        "kv_connector": "KVCascadeConnector",
+        "kv_connector_module_path": "kvcascade.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": 4 << 20,
+            "secondary_tiers": [{"type": "fs", "root_dir": str(root)}],
+            **extra,
+        },
+    }
 
 
 def generate(llm: LLM, prompt: list[int]) -> tuple[list[int], int]:
@@ -85,19 +113,7 @@ def baseline(model_dir: Path) -> dict[str, list[int]]:
 def offload_llm(
     model_dir: Path, baseline: dict[str, list[int]], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LLM]:
-    fs_root = tmp_path_factory.mktemp("fs-tier")
-    config = {
-        "kv_connector": "KVCascadeConnector",
-        "kv_connector_module_path": "kvcascade.integrations.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "spec_name": "TieringOffloadingSpec",
-            "cpu_bytes_to_use": 4 << 20,
-            "secondary_tiers": [{"type": "fs", "root_dir": str(fs_root)}],
-        },
-    }
-    llm = make_llm(model_dir, config)
+    llm = make_llm(model_dir, fs_config(tmp_path_factory.mktemp("fs-tier")))
     yield llm
     del llm
     gc.collect()
@@ -241,3 +257,154 @@ def test_engine_refuses_bad_connector_config(
     with pytest.raises(Exception, match=message):
         make_llm(model_dir, config)
     gc.collect()
+
+
+# -- engines in their own processes: restarts, tenants, exit without close (issue #15) ---------
+def run_job(job_path: str) -> None:
+    """Entry point of an engine process (``python -c``; see :func:`engine_job`): start the
+    job's engines one after the other, run each one's ``generate`` calls and write
+    ``[[tokens, num_cached_tokens], ...]`` per engine to ``job["out"]`` as it goes. An engine
+    with ``"close"`` is deleted (vLLM's engine shutdown); the last one is left open, as an
+    offline script leaves it, for the interpreter's exit."""
+    job = json.loads(Path(job_path).read_text())
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if job["multiprocess"] else "0"
+    results: list[list[tuple[list[int], int]]] = []
+    llm = None
+    for engine in job["engines"]:
+        config = fs_config(job["fs_root"], **engine.get("extra", {}))
+        llm = make_llm(Path(job["model_dir"]), config, **engine.get("engine_args", {}))
+        runs = []
+        for prompts in engine["generates"]:
+            outs = llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in prompts], GREEDY, use_tqdm=False
+            )
+            runs += [(list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0)) for o in outs]
+        results.append(runs)
+        Path(job["out"]).write_text(json.dumps({"engines": results, "kvcascade": kcv.__file__}))
+        if engine.get("close"):
+            del llm
+            gc.collect()
+
+
+_JOB = "import sys, test_vllm_e2e; test_vllm_e2e.run_job(sys.argv[1])"
+
+
+def engine_job(tmp_path: Path, name: str, **job: Any) -> dict[str, Any]:
+    """Run :func:`run_job` in a fresh Python process with this checkout's ``kvcascade``; return
+    its results and stderr. The process must exit 0."""
+    spec = tmp_path / f"{name}.json"
+    out = tmp_path / f"{name}.out.json"
+    spec.write_text(json.dumps({**job, "out": str(out)}))
+    root = Path(kvcascade.__file__).resolve().parents[1]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(root), str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")]
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", _JOB, str(spec)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert Path(result["kvcascade"]).resolve().parents[2] == root  # this checkout's package
+    return {**result, "stderr": proc.stderr}
+
+
+def block_files(fs_root: Path) -> dict[str, int]:
+    """Block files per namespace, keyed by the namespace's ``cache_salt`` and RoPE theta."""
+    counts: dict[str, int] = {}
+    for config in fs_root.glob("*/config.json"):
+        identity = json.loads(config.read_text())
+        label = f"{identity.get('cache_salt')}/{identity['rope'].get('rope_theta')}"
+        data = config.parent.with_name(config.parent.name + "_r0")
+        counts[label] = len(list(data.rglob("*.bin")))
+    return counts
+
+
+def assert_no_kvcascade_error(stderr: str) -> None:
+    """Nothing failed in kvcascade while the process ran or exited."""
+    assert "cannot schedule new futures" not in stderr
+    bad = [
+        line
+        for line in stderr.splitlines()
+        if line.startswith("Traceback") or ("kvcascade" in line and "failed" in line)
+    ]
+    assert not bad, bad
+
+
+@pytest.fixture(scope="module")
+def restarts(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Two processes on one fs root. First an offline job of tenant A on vLLM's default
+    multiprocess engine: one ``generate`` over two prompts, then the script ends without
+    closing anything. Then, in a fresh process, in-process engines one after the other:
+    tenant B, tenant A with ``rope_theta`` changed through ``hf_overrides``, and tenant A again
+    (its first request repeats the first prompt; then a new prompt, and the script ends)."""
+    tmp = tmp_path_factory.mktemp("restarts")
+    root = tmp / "fs"
+    root.mkdir()
+    common = {"model_dir": str(model_dir), "fs_root": str(root)}
+    a = {"cache_salt": "tenant-A"}
+    first = engine_job(
+        tmp,
+        "offline-a",
+        multiprocess=True,
+        engines=[{"extra": a, "generates": [[PROMPT, OTHER]]}],
+        **common,
+    )
+    after_first = block_files(root)
+    second = engine_job(
+        tmp,
+        "tenants",
+        multiprocess=False,
+        engines=[
+            {"extra": {"cache_salt": "tenant-B"}, "generates": [[PROMPT]], "close": True},
+            {
+                "extra": a,
+                "engine_args": {
+                    "hf_overrides": {"rope_parameters": {"rope_theta": 2e4, "rope_type": "default"}}
+                },
+                "generates": [[PROMPT]],
+                "close": True,
+            },
+            {"extra": a, "generates": [[PROMPT], [THIRD]]},
+        ],
+        **common,
+    )
+    return {"first": first, "after_first": after_first, "second": second, "root": root}
+
+
+def test_offline_job_exit_without_close_persists_every_block(
+    restarts: dict[str, Any], baseline: dict[str, list[int]]
+) -> None:
+    """An offline script's engine (vLLM's default multiprocess engine) that ends without close
+    leaves all 5 chunks of its two prompts in the fs tier, nothing logged; a fresh engine (new
+    process) serves its first request from disk: 96 cached tokens, the tokens of a run without
+    kvcascade. The in-process engine the second script leaves open persists the 2 chunks of
+    its last prompt at interpreter exit. (Issue #15 part 2: 0 block files in 6 of 7 runs.)"""
+    (first_runs,) = restarts["first"]["engines"]
+    assert [cached for _, cached in first_runs] == [0, 0]
+    assert [tokens for tokens, _ in first_runs] == [baseline["prompt"], baseline["other"]]
+    assert restarts["after_first"] == {"tenant-A/10000.0": 5}
+    a_again = restarts["second"]["engines"][2]
+    assert a_again[0] == [baseline["prompt"], 96]
+    assert block_files(restarts["root"])["tenant-A/10000.0"] == 5 + 2
+    assert_no_kvcascade_error(restarts["first"]["stderr"])
+    assert_no_kvcascade_error(restarts["second"]["stderr"])
+
+
+def test_tenants_and_changed_rope_never_share_kv(
+    restarts: dict[str, Any], baseline: dict[str, list[int]]
+) -> None:
+    """On one fs root, tenant B and tenant A with another ``rope_theta`` get 0 cached tokens
+    from tenant A's files (B's tokens are a run without kvcascade's), each writes its own
+    namespace (3 chunks, persisted at engine shutdown), and tenant A again gets hits.
+    (Issue #15 part 1: B was served 96 tokens from A's files.)"""
+    tenant_b, rope_a, _ = restarts["second"]["engines"]
+    assert tenant_b == [[baseline["prompt"], 0]]
+    assert rope_a[0][1] == 0
+    files = block_files(restarts["root"])
+    assert files["tenant-B/10000.0"] == 3 and files["tenant-A/20000.0"] == 3
+    assert len(files) == 3
