@@ -111,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
         "--no-free-rules",
         action="store_true",
         help="with --compare-policies: store partial last blocks and skip the closing touch "
-        "(issue #9's baseline model)",
+        "(the plain cache model of docs/policies.md's baseline columns)",
     )
     rp.add_argument(
         "--seed", type=_nonneg_int, default=None, help="seed of --hints noise (default 0)"

@@ -342,6 +342,18 @@ def test_malformed_traces_are_one_clear_error(
     assert message in err and "Traceback" not in err
 
 
+def test_a_trace_without_line_ends_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue #21 item 10: an endless file without line ends (``/dev/zero``) ends with one clear
+    error naming the line, not a MemoryError."""
+    monkeypatch.setattr("kvcascade._trace._MAX_LINE", 1 << 20)  # reach the bound sooner
+    assert main(["replay", "/dev/zero", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "/dev/zero:1: line longer than 1048576 characters" in err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
