@@ -343,14 +343,15 @@ def main(argv: list[str] | None = None) -> int:
     handler.setFormatter(_Formatter("kvcascade: %(levelname)s: %(message)s"))
     logging.basicConfig(level=logging.WARNING, handlers=[handler])
     args = _parser().parse_args(argv)
-    # SIGTERM unwinds like Ctrl-C: the replay's temporary fs tier directory is removed.
+    # SIGTERM and SIGHUP unwind like Ctrl-C: the replay's temporary fs tier directory is removed.
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
+    signums = (signal.SIGTERM, signal.SIGHUP) if main_thread else ()
+    previous = {signum: signal.signal(signum, _interrupt) for signum in signums}
     try:
         return _run(args)
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, earlier in previous.items():
+            signal.signal(signum, earlier)
 
 
 def _run(args: argparse.Namespace) -> int:
