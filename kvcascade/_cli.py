@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -147,10 +149,13 @@ def _load_config_arg(text: str | None) -> dict[str, Any]:
     return value
 
 
-def build_replay_config(args: argparse.Namespace) -> CascadeConfig:
+def build_replay_config(
+    args: argparse.Namespace, temporary_root: Callable[[], str] | None = None
+) -> CascadeConfig:
+    """Merge ``--config`` keys with the command-line options (options win); an fs tier without
+    ``root_dir`` gets ``temporary_root()`` (a directory removed after the replay)."""
     from ._config import CascadeConfig
 
-    """Merge ``--config`` keys with the command-line options (options win)."""
     extra = _load_config_arg(args.config)
     tiers = extra.get("secondary_tiers")
     if tiers is None:
@@ -167,6 +172,10 @@ def build_replay_config(args: argparse.Namespace) -> CascadeConfig:
         if not fs:
             raise ConfigError("--fs-max-bytes given but no fs tier is configured (drop --no-fs)")
         fs[0]["max_bytes"] = args.fs_max_bytes
+    if temporary_root is not None and isinstance(tiers, list):
+        for tier in tiers:
+            if isinstance(tier, dict) and tier.get("type") == "fs" and not tier.get("root_dir"):
+                tier["root_dir"] = temporary_root()
     if args.s3_endpoint and not args.s3_bucket:
         raise ConfigError("--s3-endpoint needs --s3-bucket")
     if args.s3_bucket and isinstance(tiers, list):
@@ -228,23 +237,21 @@ def _replay(args: argparse.Namespace) -> int:
     if given:
         raise ConfigError(f"{', '.join(given)}: only meaningful with --compare-policies")
     _check_writable(args.json_path)
-    config = build_replay_config(args)
-    from ._replay import run_replay
+    from ._replay import run_replay, temporary_fs_root
     from ._trace import bundled_trace, read_trace
 
-    trace = read_trace(args.trace or bundled_trace(), limit=args.requests)
-    progress = None
-    bar = None
-    if not args.quiet and sys.stderr.isatty():
-        from tqdm import tqdm
+    with contextlib.ExitStack() as stack:
+        config = build_replay_config(args, lambda: stack.enter_context(temporary_fs_root()))
+        trace = read_trace(args.trace or bundled_trace(), limit=args.requests)
+        progress = None
+        if not args.quiet and sys.stderr.isatty():
+            from tqdm import tqdm
 
-        bar = tqdm(total=len(trace), unit="req", desc="replay", file=sys.stderr)
-        progress = bar.update
-    try:
+            bar = stack.enter_context(
+                tqdm(total=len(trace), unit="req", desc="replay", file=sys.stderr)
+            )
+            progress = bar.update
         report = run_replay(trace, config, progress)
-    finally:
-        if bar is not None:
-            bar.close()
     print(format_report(report))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report.to_json(), indent=2) + "\n")
