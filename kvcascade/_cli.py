@@ -127,6 +127,33 @@ def _parser() -> argparse.ArgumentParser:
     )
     cal.add_argument("--output", help="settings file (default: the library's settings path)")
     cal.add_argument("--reps", type=_positive_int, default=20, help="timed repetitions per point")
+    ins = sub.add_parser(
+        "inspect",
+        help="list the namespaces of an fs tier directory: identity, blocks, bytes, ages",
+        description="Show every kvcascade namespace under an fs tier's root_dir: its identity "
+        "(config.json), block files, bytes, oldest/newest block and leftover temp files.",
+    )
+    ins.add_argument("root", help="the fs tier's root_dir")
+    ins.add_argument("--json", dest="json_path", help="also write the listing as JSON here")
+    pur = sub.add_parser(
+        "purge",
+        help="remove block files of an fs tier directory by namespace and age",
+        description="Remove kvcascade block files under an fs tier's root_dir. Without "
+        "--older-than whole namespaces go (config.json included). An engine running on the "
+        "directory treats a removed block as a miss.",
+    )
+    pur.add_argument("root", help="the fs tier's root_dir")
+    pur.add_argument(
+        "--namespace",
+        action="append",
+        help="only this namespace (as `kvcascade inspect` lists it); repeat for several",
+    )
+    pur.add_argument(
+        "--older-than", metavar="AGE", help="only blocks not written for AGE (e.g. 90m, 12h, 7d)"
+    )
+    pur.add_argument(
+        "--all", action="store_true", help="every namespace (needed when no filter is given)"
+    )
     return parser
 
 
@@ -340,6 +367,33 @@ class _Formatter(logging.Formatter):
         return super().formatMessage(record)
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    from ._admin import format_inspection, inspect_root
+
+    _check_writable(args.json_path)
+    usages = inspect_root(args.root)
+    print(format_inspection(usages))
+    if args.json_path:
+        rows = [vars(u) for u in usages]
+        Path(args.json_path).write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+def _purge(args: argparse.Namespace) -> int:
+    from ._admin import parse_age, purge_root
+
+    if not (args.namespace or args.older_than or args.all):
+        raise ConfigError(
+            "purge removes everything without a filter: give --namespace, --older-than or --all"
+        )
+    age = parse_age(args.older_than) if args.older_than else None
+    result = purge_root(args.root, args.namespace, age)
+    print(f"removed {result.files:,} files ({result.bytes:,} bytes)")
+    for name in result.namespaces:
+        print(f"removed namespace {name}")
+    return 0
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -369,6 +423,10 @@ def _run(args: argparse.Namespace) -> int:
             return _replay(args)
         if args.command == "calibrate":
             return _calibrate(args)
+        if args.command == "inspect":
+            return _inspect(args)
+        if args.command == "purge":
+            return _purge(args)
     except KVCascadeError as exc:
         print(f"kvcascade: error: {exc}", file=sys.stderr)
         return 2
