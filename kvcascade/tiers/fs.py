@@ -855,6 +855,18 @@ class FileSystemTier(SecondaryTier):
         self._record(key, size, reserved=False)
         return len(payload)
 
+    def _remove(self, keys: Sequence[bytes]) -> list[bool]:
+        """Unlink each key's block file and drop it from the size index."""
+        present = []
+        for key in keys:
+            try:
+                os.unlink(self.path_of(key))
+                present.append(True)
+            except FileNotFoundError:
+                present.append(False)
+            self._forget(key)
+        return present
+
     def _probe(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key's block file is a regular file; a key found gone leaves the index."""
         found = []
