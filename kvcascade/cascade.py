@@ -77,6 +77,19 @@ class StoreResult:
     bytes: int = 0
 
 
+@dataclass
+class InvalidateResult:
+    """Outcome of :meth:`Cascade.invalidate`.
+
+    ``removed`` maps each tier (``"cpu"`` for the primary, then the secondary tiers' names) to
+    the number of blocks removed there; ``in_use`` lists keys the primary tier kept because a
+    request reads or writes them now (invalidate them again once those requests finish).
+    """
+
+    removed: dict[str, int] = field(default_factory=dict)
+    in_use: list[bytes] = field(default_factory=list)
+
+
 class Cascade:
     """GPU → CPU → secondary tiers, built from a :class:`CascadeConfig`.
 
@@ -117,6 +130,7 @@ class Cascade:
         # GPU block id → the load filling it: a store from that block waits for it first.
         self._loading: dict[int, asyncio.Future[None]] = {}
         self._opened = False
+        self._drops_logged = False
         self.counters: collections.Counter[str] = collections.Counter()
 
     # -- awaitable API ---------------------------------------------------------------------
@@ -233,7 +247,9 @@ class Cascade:
         A source block that an unfinished :meth:`load` is filling is copied only after that load
         returns. Keys already present (or being written) are skipped. When the primary tier has
         no evictable room, waits for in-flight cascades to release their pins and tries once
-        more; keys that still do not fit are dropped (counted). The cascade to secondary tiers
+        more; then the leading keys that fit are stored and the rest dropped (counted in
+        ``counters["store_dropped_blocks"]`` and in ``StoreResult.dropped``; the first drop is
+        logged as a warning). The cascade to secondary tiers
         runs in the background. Cancelled while copying, the copy finishes and its outcome is
         recorded.
 
@@ -249,11 +265,16 @@ class Cascade:
             await asyncio.wait(cascades)
             coord.poll_now()
             out = coord.prepare_store(keys, ctx)
+        dropped = 0
+        if out is None:  # store the leading part that fits; the rest is dropped
+            fits = self._fitting_prefix(keys)
+            out = coord.prepare_store(keys[:fits], ctx) if fits else None
+            dropped = len(keys) - (fits if out is not None else 0)
+            self._count_dropped(dropped, len(keys), "the CPU tier has no evictable room")
         if out is None:
-            self.counters["store_dropped_blocks"] += len(keys)
-            return StoreResult(dropped=len(keys))
+            return StoreResult(dropped=dropped)
         if not out.keys_to_store:
-            return StoreResult()
+            return StoreResult(dropped=dropped)
         index = {k: i for i, k in enumerate(keys)}
         src = np.asarray([gpu_ids[index[k]] for k in out.keys_to_store], dtype=np.int64)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -271,8 +292,35 @@ class Cascade:
         if not transfer.success:
             log.warning("device store failed: %s", transfer.error)
             self.counters["store_dropped_blocks"] += len(out.keys_to_store)
-            return StoreResult(dropped=len(out.keys_to_store))
-        return StoreResult(out.keys_to_store, 0, transfer.bytes)
+            return StoreResult(dropped=dropped + len(out.keys_to_store))
+        return StoreResult(out.keys_to_store, dropped, transfer.bytes)
+
+    def _fitting_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the primary tier can take now: their new keys fit in its
+        free slots plus the idle blocks that are not among them (those the store protects)."""
+        primary = self.primary
+        room = primary.num_free + primary.num_evictable
+        for i, key in enumerate(keys):
+            block = primary.get_block(key)
+            if block is None or block.ref_cnt == 0:  # a new slot, or a protected idle block
+                room -= 1
+                if room < 0:
+                    return i
+        return len(keys)
+
+    def _count_dropped(self, dropped: int, asked: int, why: str) -> None:
+        """Count dropped store keys; log the first drop as a warning, later ones at debug."""
+        if not dropped:
+            return
+        self.counters["store_dropped_blocks"] += dropped
+        (log.debug if self._drops_logged else log.warning)(
+            "store dropped %d of %d keys: %s (counted in "
+            "counters['store_dropped_blocks']; later drops are logged at debug level)",
+            dropped,
+            asked,
+            why,
+        )
+        self._drops_logged = True
 
     def touch(self, keys: Sequence[bytes], ctx: ReqContext) -> None:
         """Record that a request reads ``keys`` — every block of its prompt, cached or not, in
@@ -286,6 +334,28 @@ class Cascade:
         """
         self._check(keys, ctx)
         self.coordinator.touch(keys, ctx)
+
+    async def invalidate(self, keys: Sequence[bytes]) -> InvalidateResult:
+        """Remove ``keys`` from every tier, so they are never served again (a forged or stale
+        block, a tenant's data to delete).
+
+        The primary tier forgets the idle ones at once (a key being read or written is left
+        and reported in ``in_use``); every secondary tier deletes its copies
+        (:meth:`SecondaryTier.invalidate`). Cascades already in flight finish first, so none
+        of them writes a key back after it was removed.
+
+        Raises:
+            TypeError / ValueError: see :func:`_check_request`.
+            whatever a tier's removal raised (:meth:`SecondaryTier.invalidate`); the tiers
+            before it have removed their copies.
+        """
+        self._check(keys, ReqContext("invalidate"))
+        await self.wait_cascades()
+        removed, in_use = self.primary.remove(keys)
+        out = InvalidateResult({"cpu": len(removed)}, in_use)
+        for tier in self.tiers:
+            out.removed[tier.name] = await tier.invalidate(keys)
+        return out
 
     def finish_request(self, ctx: ReqContext) -> None:
         """The request will submit nothing more (finished or cancelled): release its pins and

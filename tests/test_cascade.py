@@ -5,6 +5,7 @@ the defect it keeps fixed."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Sequence
 
@@ -204,4 +205,58 @@ async def test_a_failed_device_load_is_counted() -> None:
         assert result.loaded == 0 and result.failed_keys == [key(1)]
         assert cascade.counters["load_failed_blocks"] == 1
         cascade.finish_request(ctx)
+        assert_idle(cascade)
+
+
+async def test_store_of_more_keys_than_the_cpu_tier_holds_stores_what_fits(caplog) -> None:
+    """Issue #21 item 3: store() of 6 keys into a 4-slot CPU tier stores the leading 4 and
+    drops 2 (counted, in the result, logged once as a warning), instead of dropping all 6."""
+    caplog.set_level(logging.DEBUG, logger="kvcascade.cascade")
+    async with kc.open_cascade(config(cpu_blocks=4)) as cascade:
+        ctx = kc.ReqContext("a")
+        keys = [key(i) for i in range(6)]
+        for g in range(6):
+            cascade.device.kv[g] = g
+        result = await cascade.store(keys, ctx, list(range(6)))
+        assert result.stored == keys[:4] and result.dropped == 2
+        assert cascade.counters["store_dropped_blocks"] == 2
+        for i, k in enumerate(keys[:4]):
+            assert bytes(cascade.host.row(cascade.primary.get_block(k).block_id)) == bytes([i]) * 64
+        await cascade.wait_cascades()
+        again = await cascade.store([key(10 + i) for i in range(6)], ctx, list(range(6)))
+        assert len(again.stored) == 4 and again.dropped == 2  # the first 4 were evicted
+        assert cascade.counters["store_dropped_blocks"] == 4
+        warnings = [r.levelname for r in caplog.records if "store dropped" in r.getMessage()]
+        assert warnings == ["WARNING", "DEBUG"]
+        await cascade.wait_cascades()
+        cascade.finish_request(ctx)
+        assert_idle(cascade)
+
+
+async def test_invalidate_removes_keys_from_every_tier(tmp_path) -> None:
+    """Issue #21 item 6: invalidated keys are gone from the primary, the memory tier and the
+    fs tier's files; a key a request is reading stays in the primary and is reported."""
+    tiers = [{"type": "memory"}, {"type": "fs", "root_dir": str(tmp_path)}]
+    cfg = kc.CascadeConfig(block_bytes=64, gpu_blocks=8, cpu_blocks=8, secondary_tiers=tiers)
+    async with kc.open_cascade(cfg) as cascade:
+        ctx = kc.ReqContext("w")
+        keys = [key(i) for i in range(4)]
+        await cascade.store(keys, ctx, [0, 1, 2, 3])
+        await cascade.wait_cascades()
+        cascade.finish_request(ctx)
+        reader = kc.ReqContext("r")
+        assert (await cascade.lookup_prefix(keys[3:], reader)).num_hits == 1  # pins key 3
+        assert len(list(tmp_path.rglob("*.bin"))) == 4
+        list(cascade.coordinator.take_events())
+        result = await cascade.invalidate(keys)
+        assert result.removed == {"cpu": 3, "memory": 4, "fs": 4}
+        assert result.in_use == [keys[3]]
+        assert list(tmp_path.rglob("*.bin")) == []
+        removed = [e for e in cascade.coordinator.take_events() if e.removed]
+        assert {e.tier for e in removed} >= {"memory", "fs"}
+        cascade.finish_request(reader)
+        probe = kc.ReqContext("p")
+        assert (await cascade.lookup_prefix(keys[:3], probe)).num_hits == 0
+        cascade.finish_request(probe)
+        assert (await cascade.invalidate(keys)).removed == {"cpu": 1, "memory": 0, "fs": 0}
         assert_idle(cascade)
