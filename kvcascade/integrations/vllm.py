@@ -489,7 +489,6 @@ class _SchedulerSide:
             raise
         self.sched = OffloadScheduler(setup.scheduler, _PortalManager(self.loop))
         self.transfer_totals = KVCascadeWorkerMetadata()
-        self.finished_unbuilt: set[str] = set()  # finished since the last build_connector_meta
         _LOCAL_SCHEDULERS[setup.instance_id] = self
 
     def apply_results(self, meta: KVCascadeWorkerMetadata) -> None:
@@ -826,8 +825,6 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
             [r.req_id for r in scheduler_output.scheduled_new_reqs],
             [c.dst_block_id for c in scheduler_output.kv_cache_block_copies or ()],
         )
-        assert self._sched_side is not None
-        self._sched_side.finished_unbuilt.clear()
         try:
             plan = self.scheduler.build_step(step)
         except Exception:
@@ -848,8 +845,6 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        assert self._sched_side is not None
-        self._sched_side.finished_unbuilt.add(request.request_id)
         try:
             self.scheduler.request_finished(request.request_id)
         except Exception:
@@ -863,12 +858,9 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def has_pending_push_work(self) -> bool:
         """True while the engine must keep stepping for kvcascade (vLLM's ``Scheduler.has_requests``
-        and, at shutdown, ``EngineCore.has_work`` read it): a request finished since the last
-        step (its last chunks' store jobs are built next step), a GPU→CPU store not yet
-        acknowledged by every worker, or a tier job in flight."""
-        assert self._sched_side is not None
-        if self._sched_side.finished_unbuilt:
-            return True
+        and, at shutdown, ``EngineCore.has_work`` read it): a GPU→CPU store not yet acknowledged
+        by every worker (``OffloadScheduler.has_pending_work`` counts its jobs) or a tier job in
+        flight."""
         try:
             return self.scheduler.has_pending_work()
         except Exception:
