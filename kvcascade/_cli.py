@@ -10,12 +10,13 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._config import CascadeConfig
 from ._errors import ConfigError, KVCascadeError
-from ._replay import ReplayReport, run_replay
-from ._trace import bundled_trace, read_trace
+
+if TYPE_CHECKING:  # imported when a command runs: --help and --version never import torch
+    from ._config import CascadeConfig
+    from ._replay import ReplayReport
 
 DEFAULT_GPU_BLOCKS = 1024
 DEFAULT_CPU_BLOCKS = 8192
@@ -41,6 +42,7 @@ def _positive_int(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcascade", description="Three-tier KV cache tools.")
+    parser.add_argument("--version", action="version", version=f"kvcascade {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     rp = sub.add_parser(
         "replay",
@@ -109,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
         "--no-free-rules",
         action="store_true",
         help="with --compare-policies: store partial last blocks and skip the closing touch "
-        "(issue #9's baseline model)",
+        "(the plain cache model of docs/policies.md's baseline columns)",
     )
     rp.add_argument(
         "--seed", type=_nonneg_int, default=None, help="seed of --hints noise (default 0)"
@@ -146,6 +148,8 @@ def _load_config_arg(text: str | None) -> dict[str, Any]:
 
 
 def build_replay_config(args: argparse.Namespace) -> CascadeConfig:
+    from ._config import CascadeConfig
+
     """Merge ``--config`` keys with the command-line options (options win)."""
     extra = _load_config_arg(args.config)
     tiers = extra.get("secondary_tiers")
@@ -225,6 +229,9 @@ def _replay(args: argparse.Namespace) -> int:
         raise ConfigError(f"{', '.join(given)}: only meaningful with --compare-policies")
     _check_writable(args.json_path)
     config = build_replay_config(args)
+    from ._replay import run_replay
+    from ._trace import bundled_trace, read_trace
+
     trace = read_trace(args.trace or bundled_trace(), limit=args.requests)
     progress = None
     bar = None
@@ -252,6 +259,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from ._compare import compare, format_comparison
+    from ._trace import bundled_trace, read_trace
 
     args.capacities = args.capacities or "0.01,0.05,0.1"
     args.hints = args.hints or "none"
@@ -305,22 +313,45 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvcascade")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        from . import __version__
+
+        return __version__
+
+
+class _Formatter(logging.Formatter):
+    """``kvcascade: LEVEL: message``, without a second ``kvcascade:`` where the message
+    already starts with one."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = record.message.removeprefix("kvcascade: ")
+        return super().formatMessage(record)
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvcascade`` command; returns the exit code."""
-    logging.basicConfig(level=logging.WARNING, format="kvcascade: %(levelname)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(_Formatter("kvcascade: %(levelname)s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     args = _parser().parse_args(argv)
-    # SIGTERM unwinds like Ctrl-C: the replay's temporary fs tier directory is removed.
+    # SIGTERM and SIGHUP unwind like Ctrl-C: the replay's temporary fs tier directory is removed.
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
+    signums = (signal.SIGTERM, signal.SIGHUP) if main_thread else ()
+    previous = {signum: signal.signal(signum, _interrupt) for signum in signums}
     try:
         return _run(args)
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, earlier in previous.items():
+            signal.signal(signum, earlier)
 
 
 def _run(args: argparse.Namespace) -> int:

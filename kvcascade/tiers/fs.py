@@ -18,19 +18,22 @@ a 4 MiB one).
 I/O (same rules as vLLM's fs tier, spec §4.3): O_DIRECT is probed once per namespace directory at
 construction (one aligned page written to a probe file); any error (overlayfs, old tmpfs, some
 NFS) selects buffered I/O for the tier's lifetime. A store writes ``<path>_<pid>_<random>.tmp``
-opened ``O_CREAT|O_EXCL`` (mode 0600) with one vectored write (header + payload), closes it and
-``os.replace``-s it over ``<path>``, so a reader sees no file or the whole file; a key whose file
-exists is not rewritten. A load opens the file and reads header and payload with one vectored
-read straight into the primary row. A short file is deleted and fails its block; a header,
-key or checksum mismatch deletes the file, counts ``counters["corrupt_blocks"]`` and fails the
-block, so the caller recomputes. Other errors (missing file, EIO, …) fail the block and leave the
-file alone. Batches stop at the first failing block and report the blocks before it as done.
+opened ``O_CREAT|O_EXCL`` (mode 0600) with one vectored write (header + payload), with
+``max_bytes`` sets its mtime (:meth:`FileSystemTier._stamps`), closes it and ``os.replace``-s it
+over ``<path>``, so a reader sees no file or the whole file; a key whose file exists is not
+rewritten. A load opens the file and reads header and payload with one vectored read straight
+into the primary row. A short file is deleted and fails its block; a header, key or checksum
+mismatch deletes the file, counts ``counters["corrupt_blocks"]`` and fails the block, so the
+caller recomputes. Other errors (missing file, EIO, …) fail the block and leave the file alone.
+A load job stops at its first failing block and reports the blocks before it as done (a prefix
+is useless after its first gap); a store job goes on after a failing block, so that every block
+that can be stored is, and reports exactly the blocks stored (:meth:`FileSystemTier._store_failed`).
 
 Compiled path: once the kernel extension is loaded (:func:`compiled_fs_io`, built in the
 background on first use), each job runs through ``kernels/fs_io.cpp`` a batch of up to
 :data:`COMPILED_BATCH` blocks per call with the GIL released: stores as open (existence check,
 temp file) → write (checksum, header, payload; the only call inside the row-access window) →
-commit (close, rename); loads as open → read + verify. Where a read or write is a CPU copy
+commit (mtime, close, rename); loads as open → read + verify. Where a read or write is a CPU copy
 (buffered I/O or tmpfs), blocks above 256 KiB move in 256 KiB pieces, each hashed while it is in
 the CPU cache. Same files, same checks, same failure outcomes as the pure-Python path, which runs
 while the extension builds, if it cannot build, or with ``compiled_io=False``.
@@ -39,13 +42,16 @@ Capacity: with ``max_bytes`` the tier keeps an LRU index of its files (access re
 on a store of a key already present, and on :meth:`FileSystemTier.touch`); a store that would
 exceed ``max_bytes`` first deletes the least recently used files (``counters["evictions"]``,
 one removal event per store batch). Files being read are skipped by eviction; a load of a file
-evicted meanwhile fails that block like a miss. ``max_bytes`` counts file sizes (header and
-padding included). Without ``max_bytes`` files accumulate, as in vLLM.
+evicted meanwhile fails that block like a miss. A file deleted from outside the tier leaves the
+index when a probe, load or store of its key finds it gone. ``max_bytes`` counts file sizes
+(header and padding included). Without ``max_bytes`` files accumulate, as in vLLM.
 
 Restart: a new tier on an existing directory serves the files there. At start-up (inside
 :meth:`~kvcascade.tiers.base.SecondaryTier.run`, on an I/O thread) it scans its namespace
 directory: temp files of a dead process, or older than ``io_timeout_s``, are deleted, and with
-``max_bytes`` the index is rebuilt (recency = file modification time) and trimmed to the bound.
+``max_bytes`` the index is rebuilt (recency = file modification time in ns, which a bounded
+tier sets from a strictly increasing clock, :meth:`FileSystemTier._stamps`) and trimmed to the
+bound.
 
 Permissions: directories are created 0700 and files 0600 (KV bytes reveal prompts).
 """
@@ -68,7 +74,7 @@ import time
 from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import xxhash
@@ -257,6 +263,7 @@ class FileSystemTier(SecondaryTier):
             collections.OrderedDict() if max_bytes is not None else None
         )
         self._used = 0
+        self._last_stamp = 0  # the latest mtime (ns since the epoch) given to a new file
         self._readers: collections.Counter[bytes] = collections.Counter()
         self._evicting: set[bytes] = set()
         self._buffers = threading.local()
@@ -327,7 +334,7 @@ class FileSystemTier(SecondaryTier):
 
     def _scan(self) -> None:
         """Delete stale temp files; with ``max_bytes``, rebuild the LRU index and trim it."""
-        found: list[tuple[float, bytes, int]] = []
+        found: list[tuple[int, bytes, int]] = []
         stale = 0
         now = time.time()
         for top in _subdirs(self.data_dir):
@@ -347,16 +354,18 @@ class FileSystemTier(SecondaryTier):
                                 key = make_offload_key(bytes.fromhex(entry.name[:-4]), group)
                             except (OSError, ValueError):
                                 continue
-                            found.append((st.st_mtime, key, st.st_size))
+                            found.append((st.st_mtime_ns, key, st.st_size))
         if stale:
             log.info("fs tier %s: removed %d stale temp files", self.name, stale)
         if self._index is None:
             return
-        found.sort()
+        found.sort()  # oldest first; equal times (files of older versions) in key order
         with self._lock:
             for _, key, size in found:
                 self._index[key] = size
                 self._used += size
+            if found:  # new files are stamped after every file found, whatever the clock does
+                self._last_stamp = max(self._last_stamp, found[-1][0])
         self._evict_and_reserve(0)
 
     def _is_stale_temp(self, entry: os.DirEntry[str], now: float) -> bool:
@@ -411,6 +420,18 @@ class FileSystemTier(SecondaryTier):
             )
         return ok
 
+    def _stamps(self, n: int) -> int:
+        """The first of ``n`` consecutive modification times (ns since the epoch) for files
+        written now: the wall clock, but strictly after every time given before and every file
+        found at start-up, so that the restart scan orders files as they were written even
+        where the kernel's file clock ticks coarsely (every few ms: many stores per tick).
+        Set only with ``max_bytes`` (one ``futimens`` per new file, ~1 µs): an unbounded tier
+        never evicts, and its files restarted under a bound fall back to the kernel's times."""
+        with self._lock:
+            first = max(time.time_ns(), self._last_stamp + 1)
+            self._last_stamp = first + n - 1
+        return first
+
     def _unreserve(self, size: int) -> None:
         if self._index is not None:
             with self._lock:
@@ -431,11 +452,19 @@ class FileSystemTier(SecondaryTier):
                     self._used += size
 
     def _forget(self, key: bytes) -> None:
-        if self._index is not None:
-            with self._lock:
-                size = self._index.pop(key, None)
-                if size is not None:
-                    self._used -= size
+        """Drop ``key`` from the size index: its file was found gone (deleted from outside the
+        tier: an operator's ``rm``, another process sharing the directory) or was deleted as
+        corrupt. A file present again by the time the entry is gone (a concurrent store of the
+        key) is indexed again, so the index never loses a file it must count."""
+        if self._index is None:
+            return
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is None:
+                return
+            self._used -= size
+        if os.path.exists(self.path_of(key)):
+            self._record(key, size, reserved=False)
 
     def _stored_event_keys(self, keys: Sequence[bytes]) -> list[bytes]:
         if self._index is None:
@@ -444,11 +473,14 @@ class FileSystemTier(SecondaryTier):
             return [k for k in keys if k in self._index]
 
     def touch(self, keys: Collection[bytes]) -> None:
-        """Mark ``keys`` most recently used (spec §3.8 recency; only with ``max_bytes``)."""
+        """Mark ``keys`` most recently used, the last one most (spec §3.8 recency; only with
+        ``max_bytes``). Keys given without an order (a set) are refreshed in key order, so that
+        eviction never depends on the iteration order of a set (PYTHONHASHSEED)."""
         if self._index is None:
             return
+        ordered = keys if isinstance(keys, Sequence) else sorted(keys)
         with self._lock:
-            for key in keys:
+            for key in ordered:
                 if key in self._index:
                     self._index.move_to_end(key)
 
@@ -474,6 +506,15 @@ class FileSystemTier(SecondaryTier):
         self._fused = not self.o_direct or (kind == 0 and magic == _TMPFS_MAGIC)
 
     def _store_blocks(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
+        """Store every block it can; payload bytes written (store hits write none).
+
+        A failing block does not stop the job (a store's later blocks are still worth having,
+        unlike a load's after a gap): see :meth:`_store_failed`.
+
+        Raises:
+            TransferError: some blocks failed (:meth:`_store_failed`).
+            TimeoutError: the job passed its deadline (its result is discarded).
+        """
         ext = self._compiled(rows)
         if ext is None:
             return self._store_blocks_py(keys, rows)
@@ -481,34 +522,31 @@ class FileSystemTier(SecondaryTier):
         per_call = COMPILED_BATCH
         if not self._fused:  # O_DIRECT on a device
             per_call = max(1, min(COMPILED_BATCH, COMPILED_STORE_BYTES // self._span))
-        written = lo = 0
-        while lo < len(keys):
-            try:
-                done, lo = self._store_batch(
-                    ext, keys, rows.addresses, lo, min(lo + per_call, len(keys))
-                )
-            except TransferError as exc:
-                exc.transferred_bytes = written + (exc.transferred_bytes or 0)
-                raise
+        written = 0
+        failures: list[tuple[int, OSError]] = []
+        for lo in range(0, len(keys), per_call):
+            done, failed = self._store_batch(
+                ext, keys, rows.addresses, lo, min(lo + per_call, len(keys))
+            )
             written += done
+            failures += failed
+        if failures:
+            self._store_failed(keys, failures, written)
         return written
 
     def _store_batch(
         self, ext: ModuleType, keys: Sequence[bytes], addresses: list[int], lo: int, hi: int
-    ) -> tuple[int, int]:
+    ) -> tuple[int, list[tuple[int, OSError]]]:
         """Store blocks ``lo:hi`` of a job with the compiled helpers; (payload bytes written,
-        index of the first block not dealt with: ``hi``, or the one after a store hit found on a
-        failure).
+        the failed blocks as (index in the job, cause) in job order).
 
-        Same outcome as :meth:`_store_one` over each block in turn: the blocks before the first
-        failing one are stored and recorded; the failing one and the later ones leave no file
-        and no reservation. A block whose write failed (a read-only or full filesystem) while
-        its file is present — written before, or by another writer meanwhile — is a store hit,
-        as :meth:`_store_one` finds it before writing, and the job goes on after it.
+        Same outcome as :meth:`_store_one` over each block: every block that can be stored is
+        stored and recorded; a failed one leaves no file, no temp file and no reservation. A
+        block whose store failed (a read-only or full filesystem) while its file is present —
+        written before, or by another writer meanwhile — is a store hit, as :meth:`_store_one`
+        finds it before writing.
 
         Raises:
-            TransferError: a block failed (its OSError as the cause; the keys before it
-                succeeded).
             TimeoutError: the job passed its deadline before its rows were read.
         """
         batch = keys[lo:hi]
@@ -519,89 +557,119 @@ class FileSystemTier(SecondaryTier):
         # With a size index, check existence first (a present key must not reserve room);
         # otherwise let the rename refuse to replace a present file (no lookup per new name).
         check_first = self._index is not None
-        fds, kind, message = ext.fs_store_open(prefix, batch, suffix, self._flags, check_first)
-        failure = _failure(fds, kind, message)
-        reserved = len(fds)  # blocks [0, reserved) exist or hold a reservation
+        fds, errnos, kind, message = ext.fs_store_open(
+            prefix, batch, suffix, self._flags, check_first
+        )
+        failed = _failures(errnos, kind, message)
+        to_write = list(fds)  # the open temp files to write (fd >= 0)
+        reserved: list[int] = []  # blocks holding a reservation, until committed or failed
         if self._index is not None:
             for j, fd in enumerate(fds):
                 if fd == exists:
                     self._record(batch[j], self.block_file_bytes, reserved=False)
-                elif not self._evict_and_reserve(size):
-                    failure, reserved = (j, _no_room(size)), j
-                    break
-        committed = handled = 0  # blocks stored / blocks whose temp file is dealt with
+                elif fd >= 0:
+                    self._forget(batch[j])  # an index entry left by a file deleted from outside
+                    if self._evict_and_reserve(size):
+                        reserved.append(j)
+                    else:
+                        failed[j] = _no_room(size)
+                        to_write[j] = exists
+        to_commit: list[int] = []
         outcomes: list[int] = []
         try:
             with self._row_access():
-                done, kind, message = ext.fs_store_write(
-                    fds[:reserved],
-                    batch[:reserved],
-                    addresses[lo : lo + reserved],
+                _, errnos, kind, message = ext.fs_store_write(
+                    to_write,
+                    batch,
+                    addresses[lo:hi],
                     self.host.block_bytes,
                     self._span,
                     FORMAT_VERSION,
                     FUSED_PIECE_BYTES if self._fused else 0,
                 )
-            failure = _failure(done, kind, message) or failure
-            n = len(done)
-            outcomes, kind, message = ext.fs_store_commit(
-                fds[:n], prefix, batch[:n], suffix, not check_first
+            write_failed = _failures(errnos, kind, message)  # their temp files stay open
+            failed.update(write_failed)
+            to_commit = [exists if j in write_failed else fd for j, fd in enumerate(to_write)]
+            stamp = self._stamps(len(batch)) if self._index is not None else 0  # 0: the kernel's
+            outcomes, errnos, kind, message = ext.fs_store_commit(
+                to_commit, prefix, batch, suffix, not check_first, stamp
             )
-            handled = len(outcomes)  # on a failure the failing block's temp file is gone too
-            failure = _failure(outcomes, kind, message) or failure
-            committed = len(outcomes)
+            failed.update(_failures(errnos, kind, message))  # closed, temp file unlinked
         finally:
-            rest = [fd if j >= handled else exists for j, fd in enumerate(fds)]
-            if any(fd != exists for fd in rest):
-                errors, _, _ = ext.fs_store_abort(rest, prefix, batch[: len(rest)], suffix)
-                for key, err in zip(batch, errors, strict=False):
+            # Temp files left open: refused room, failed writes, or every one when the job
+            # stopped before its commit ran (past its deadline).
+            handled = to_commit if outcomes else [exists] * len(fds)
+            rest = [exists if by >= 0 else fd for fd, by in zip(fds, handled, strict=True)]
+            if any(fd >= 0 for fd in rest):
+                errors, _, _ = ext.fs_store_abort(rest, prefix, batch, suffix)
+                for key, err in zip(batch, errors, strict=True):
                     if err:
                         tmp = self.path_of(key) + suffix
                         log.warning("fs tier: could not delete %s: %s", tmp, os.strerror(err))
-            if self._index is not None:
-                for j in range(committed, reserved):
-                    if fds[j] != exists:
-                        self._unreserve(size)
-        written = 0
-        for j in range(committed):
-            if fds[j] == exists:
-                continue
-            if outcomes[j] == ext.FS_EXISTED:  # kept the file already there
+            if not outcomes:
+                for _ in reserved:
+                    self._unreserve(size)
+        for j in reserved:
+            if j in failed:
                 self._unreserve(size)
+        written = 0
+        for j, fd in enumerate(fds):
+            if fd < 0 or j in failed:  # a store hit found first, or a failed block
+                continue
+            if outcomes[j] == ext.FS_EXISTED:  # kept the file already there (no reservation)
                 self._record(batch[j], self.block_file_bytes, reserved=False)
             else:
                 self._record(batch[j], size, reserved=True)
                 written += self.host.block_bytes
-        if failure is not None:
-            i, exc = failure
-            if os.path.exists(self.path_of(batch[i])):
-                self._record(batch[i], self.block_file_bytes, reserved=False)
-                return written, lo + i + 1
-            raise TransferError(
-                f"fs store of block {lo + i} failed: {_naming(exc, self.path_of(batch[i]))}",
-                keys[: lo + i],
-                written,
-            ) from exc
-        return written, hi
+        failures = []
+        for j, exc in sorted(failed.items()):
+            if os.path.exists(self.path_of(batch[j])):  # present after all: a store hit
+                self._record(batch[j], self.block_file_bytes, reserved=False)
+            else:
+                failures.append((lo + j, exc))
+        return written, failures
 
     def _store_blocks_py(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
         written = 0
+        failures: list[tuple[int, OSError]] = []
         for i, (key, row) in enumerate(zip(keys, rows, strict=True)):
             try:
                 written += self._store_one(key, row)
             except OSError as exc:
-                raise TransferError(
-                    f"fs store of block {i} failed: {_naming(exc, self.path_of(key))}",
-                    keys[:i],
-                    written,
-                ) from exc
+                if self._job_abandoned():  # past its deadline: the result is discarded
+                    raise
+                failures.append((i, exc))
+        if failures:
+            self._store_failed(keys, failures, written)
         return written
+
+    def _store_failed(
+        self, keys: Sequence[bytes], failures: list[tuple[int, OSError]], written: int
+    ) -> NoReturn:
+        """Fail a store job whose blocks ``failures`` ((index, cause), job order, not empty)
+        failed after the others were stored (store hits included) with ``written`` payload
+        bytes: the same partial result as the S3 tier's (``kvcascade/tiers/s3.py``).
+
+        Raises:
+            TransferError: always; names the first failed block and its cause (also the
+                exception's cause) and how many failed; ``succeeded``: the other keys, in job
+                order; ``transferred_bytes``: ``written``.
+        """
+        i, exc = failures[0]
+        bad = {j for j, _ in failures}
+        more = f"; {len(failures)} of {len(keys)} blocks failed" if len(failures) > 1 else ""
+        raise TransferError(
+            f"fs store of block {i} failed: {_naming(exc, self.path_of(keys[i]))}{more}",
+            [k for j, k in enumerate(keys) if j not in bad],
+            written,
+        ) from exc
 
     def _store_one(self, key: bytes, row: memoryview) -> int:
         path = self.path_of(key)
         if os.path.exists(path):
             self._record(key, self.block_file_bytes, reserved=False)
             return 0
+        self._forget(key)  # an index entry left by a file deleted from outside
         size = HEADER_BYTES + len(row)
         if not self._evict_and_reserve(size):
             raise _no_room(size)
@@ -630,6 +698,10 @@ class FileSystemTier(SecondaryTier):
                         if not written:
                             raise OSError(errno.EIO, f"short write to {tmp}")
                         done += written
+                if self._index is not None:  # recency after a restart (_stamps)
+                    stamp = self._stamps(1)
+                    with contextlib.suppress(OSError):  # refused: the file's own mtime stands
+                        os.utime(fd, ns=(stamp, stamp))
             finally:
                 os.close(fd)
             os.replace(tmp, path)
@@ -723,6 +795,8 @@ class FileSystemTier(SecondaryTier):
             _unlink_quietly(self.path_of(batch[i]))
             self._forget(batch[i])
             raise TransferError(str(exc), keys[: lo + i]) from exc
+        if isinstance(exc, FileNotFoundError):
+            self._forget(batch[i])
         raise TransferError(
             f"fs load of block {lo + i} failed: {_naming(exc, self.path_of(batch[i]))}",
             keys[: lo + i],
@@ -742,6 +816,8 @@ class FileSystemTier(SecondaryTier):
                 self._forget(key)
                 raise TransferError(str(exc), keys[:i]) from exc
             except OSError as exc:
+                if isinstance(exc, FileNotFoundError):
+                    self._forget(key)
                 raise TransferError(
                     f"fs load of block {i} failed: {_naming(exc, path)}", keys[:i]
                 ) from exc
@@ -780,11 +856,21 @@ class FileSystemTier(SecondaryTier):
         return len(payload)
 
     def _probe(self, keys: Sequence[bytes]) -> list[bool]:
-        return [os.path.isfile(self.path_of(k)) for k in keys]
+        """Whether each key's block file is a regular file; a key found gone leaves the index."""
+        found = []
+        for key in keys:
+            try:
+                found.append(stat.S_ISREG(os.stat(self.path_of(key)).st_mode))
+            except FileNotFoundError:
+                found.append(False)
+                self._forget(key)
+            except (OSError, ValueError):  # as os.path.isfile: ENOTDIR, ELOOP, ...
+                found.append(False)
+        return found
 
 
 def _failure(values: list[int], kind: int, message: str) -> tuple[int, OSError] | None:
-    """The failing block of a compiled fs op's ``(values, kind, message)`` and its OSError
+    """The failing block of a compiled load op's ``(values, kind, message)`` and its OSError
     (None when it succeeded); pops the failing block's errno off ``values``.
 
     Raises:
@@ -792,14 +878,41 @@ def _failure(values: list[int], kind: int, message: str) -> tuple[int, OSError] 
     """
     if not kind:
         return None
+    _raise_unless_os_error(kind, message)
+    err = values.pop()
+    return len(values), _os_error(err, message)
+
+
+def _failures(errnos: list[int], kind: int, message: str) -> dict[int, OSError]:
+    """The failed blocks of a compiled store op's ``(values, errnos, kind, message)``: index in
+    the call → its OSError. The first one names the file of ``message``; the others name none
+    (:func:`_naming` adds the block's path).
+
+    Raises:
+        ValueError: the op refused its arguments (kind 1); RuntimeError for another kind.
+    """
+    if not kind:
+        return {}
+    _raise_unless_os_error(kind, message)
+    failed: dict[int, OSError] = {}
+    for j, err in enumerate(errnos):
+        if err:
+            failed[j] = _os_error(err, "" if failed else message)
+    return failed
+
+
+def _raise_unless_os_error(kind: int, message: str) -> None:
     if kind != _OS_ERROR:
         _checked((0, kind, message))
         raise RuntimeError(f"fs op failed (error kind {kind}): {message}")
-    err = values.pop()
+
+
+def _os_error(err: int, message: str) -> OSError:
+    """The OSError of errno ``err``, naming the file of a compiled op's ``"<call>:<file>"``."""
     _call, _, filename = message.partition(":")
     if filename:
-        return len(values), OSError(err, os.strerror(err), filename)
-    return len(values), OSError(err, os.strerror(err))
+        return OSError(err, os.strerror(err), filename)
+    return OSError(err, os.strerror(err))
 
 
 def _naming(exc: OSError, path: str) -> str:
