@@ -487,6 +487,7 @@ def build_in_progress(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Eve
 
     for name, value in (("_extension", None), ("_attempted", False), ("_background", None)):
         monkeypatch.setattr(_build, name, value)
+    monkeypatch.setattr(_build, "_build_in_child", lambda: None)  # "built"; loading blocks
     monkeypatch.setattr(_build, "_build", compiling)
     yield gate
     gate.set()
@@ -513,6 +514,46 @@ def test_host_copy_does_not_wait_for_a_running_build(build_in_progress) -> None:
     build_in_progress.set()
     _build._background.join(35)
     assert select_kernel(src, dst, 2, wait_for_build=False) == "cpp"
+
+
+def test_build_outlives_a_process_that_exits_mid_build(tmp_path: Path) -> None:
+    """Issue #15 defect 3: a process that starts the background build and exits (an offline
+    job) must not leave ninja running without the build's lock — the next process's ninja would
+    race it on the same object files. The build runs in a child process holding the ``flock``
+    until it is done: once the lock is free the extension is complete."""
+    import fcntl
+    import time
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler")
+    code = textwrap.dedent(
+        """
+        import time
+        from kvcascade.ops import _build
+        name = _build.extension_spec()[0]
+        print(name, flush=True)
+        assert _build.extension_if_ready() is None
+        ninja = _build.build_dir(name) / "build.ninja"
+        while not ninja.exists():  # torch writes it under the lock, just before running ninja
+            time.sleep(0.01)
+        """
+    )
+    env = {**os.environ, "KVCASCADE_BUILD_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    name = proc.stdout.strip()
+    with open(tmp_path / name / "kvcascade.flock", "a") as handle:
+        deadline = time.monotonic() + 1200
+        while True:  # the builder may take minutes on a busy machine
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, "the build did not finish"
+                time.sleep(0.5)
+        assert (tmp_path / name / f"{name}.so").is_file()
 
 
 def test_triton_probe_does_not_wait_for_a_running_build(build_in_progress, monkeypatch) -> None:

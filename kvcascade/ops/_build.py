@@ -13,8 +13,9 @@ build fails, one warning is logged and ``None`` is returned; callers fall back t
 path.
 
 No build ever sits on the serving path (issue #15): the copy paths call
-:func:`extension_if_ready`, which starts the build on a background thread and returns ``None``
-until it has loaded; meanwhile they copy with the fallbacks of :func:`kvcascade.ops.batch_copy`.
+:func:`extension_if_ready`, which starts the build in a child process (watched by a background
+thread) and returns ``None`` until the extension has loaded; meanwhile they copy with the
+fallbacks of :func:`kvcascade.ops.batch_copy`.
 
 Sources are found in ``kvcascade/_kernels`` (installed wheel, hatchling force-include) or
 ``<repo>/kernels`` (source checkout); ``KVCASCADE_KERNELS_DIR`` overrides both.
@@ -28,6 +29,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import subprocess
 import sys
 import threading
 import warnings
@@ -192,10 +194,56 @@ def load_extension() -> ModuleType | None:
     return _extension
 
 
+_CHILD_BUILD = (
+    "import sys\n"
+    "sys.path.insert(0, sys.argv[1])\n"
+    "from kvcascade.ops import _build\n"
+    "if _build.load_extension() is None:\n"
+    "    sys.exit(_build.extension_error())\n"
+)
+
+
+def _build_in_child() -> str | None:
+    """Build in a child process of its own session; ``None`` on success, else its error.
+
+    The child holds the build directory's ``flock`` until ninja is done, even if this process
+    exits meanwhile (a build thread's ninja would outlive its process and the lock with it, and
+    race the next process's ninja on the same object files)."""
+    root = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD_BUILD, root],
+        capture_output=True,
+        text=True,
+        start_new_session=True,
+        check=False,
+    )
+    if proc.returncode == 0:
+        return None
+    lines = proc.stderr.strip().splitlines()
+    return lines[-1] if lines else f"build process exited with status {proc.returncode}"
+
+
+def _background_load() -> None:
+    global _attempted, _error
+    if os.environ.get("KVCASCADE_DISABLE_EXTENSION") != "1":
+        error = _build_in_child()
+        if error is not None:
+            with _lock:
+                if not _attempted:
+                    _error, _attempted = error, True
+                    log.warning(
+                        "kvcascade: building the copy kernels failed, using the pure-torch path "
+                        "(%s)",
+                        error,
+                    )
+            return
+    load_extension()  # built (or disabled): loads in about a second
+
+
 def extension_if_ready() -> ModuleType | None:
-    """The extension if it is already loaded; otherwise start loading it on a background
-    thread (a build takes ~1 min on 2 cores; a cached build loads in about a second) and return
-    ``None`` at once, so a hot path never waits for the compiler."""
+    """The extension if it is already loaded; otherwise start building and loading it in the
+    background (a build takes 1–2 min on 2 cores, in a child process; a cached build loads in
+    about a second) and return ``None`` at once, so a hot path never waits for the compiler."""
     global _background
     if _attempted:
         return _extension
@@ -204,7 +252,7 @@ def extension_if_ready() -> ModuleType | None:
     with _start_lock:  # not _lock: load_extension holds that for the whole build
         if _background is None:
             _background = threading.Thread(
-                target=load_extension, name="kvcascade-kernel-build", daemon=True
+                target=_background_load, name="kvcascade-kernel-build", daemon=True
             )
             _background.start()
     return None
