@@ -1,0 +1,277 @@
+"""The valkey tier (issue #20) against real Redis-protocol servers on loopback
+(``redis-server`` / ``valkey-server`` child processes, :mod:`valkey_fixtures`): round trip,
+the key layout and value format shared with the fs and s3 tiers, corruption, eviction by the
+server, a full server, restart, a 3-master cluster with a failover, back-pressure from a
+throttled server, and ``kvcascade replay --valkey``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+import valkey_fixtures
+from tier_helpers import BLOCK, job, key, load, lookups, pattern, running, store
+from valkey_fixtures import Cluster, Server, ThrottleProxy, free_port, needs_server
+
+import kvcascade as kc
+from kvcascade import LookupResult as R
+from kvcascade._cli import main
+from kvcascade.coordinator import TieringCoordinator
+from kvcascade.index.cpu import CPUOffloadingManager
+from kvcascade.tiers import valkey as valkey_module
+from kvcascade.tiers._file_mapper import FileMapper, default_identity
+from kvcascade.tiers.fs import HEADER_BYTES, FileSystemTier, file_size
+from kvcascade.tiers.registry import TierContext, create_secondary_tier
+from kvcascade.tiers.valkey import ValkeyTier, valkey_tier_from_config
+
+pytestmark = needs_server
+server = valkey_fixtures.server  # the module's redis-server process
+cluster = valkey_fixtures.cluster  # the module's 3-master cluster (+1 replica)
+_prefixes = iter(range(1 << 30))
+
+PASSWORD = "kvcascade-valkey-secret"  # a test asserts it never shows up
+
+
+def make_tier(url: str, host: kc.HostBuffer, **kw: Any) -> ValkeyTier:
+    """A tier on ``url`` with a fresh key prefix (tests share one server)."""
+    kw.setdefault("prefix", f"t{next(_prefixes)}")
+    return valkey_tier_from_config(host, FileMapper(default_identity()), {"url": url, **kw})
+
+
+def sync_client(url: str, cluster: bool = False) -> Any:
+    """A synchronous client for set-up and assertions."""
+    if cluster:
+        return redis.RedisCluster.from_url(url)
+    return redis.Redis.from_url(url)
+
+
+@pytest.fixture
+def host() -> Iterator[kc.HostBuffer]:
+    buf = kc.HostBuffer(16, BLOCK)
+    yield buf
+    buf.close()
+
+
+# -- configuration ----------------------------------------------------------------------
+def test_config_errors_name_the_bad_value_and_never_the_password(
+    host: kc.HostBuffer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Unknown keys, a missing or bad url, a password inside the url, bad types and ranges are
+    ConfigErrors naming the value; the password never shows in repr or messages."""
+    ctx = TierContext(host, default_identity())
+    tier = create_secondary_tier(
+        {"type": "valkey", "url": "valkey://h:1/0", "password": PASSWORD}, ctx
+    )
+    assert isinstance(tier, ValkeyTier) and tier.name == "valkey"
+    assert tier.object_key(key(1)) == FileMapper(default_identity()).relative_path(key(1))
+    assert PASSWORD not in repr(tier)
+    mapper = FileMapper(default_identity())
+    for cfg, message in [
+        ({"url": "redis://h:1", "pasword": "x"}, r"unknown valkey tier keys \['pasword'\]"),
+        ({}, "needs 'url'"),
+        ({"url": "http://h:1"}, "must be redis://.*got 'http://h:1'"),
+        ({"url": "redis://"}, "must be redis://.*got 'redis:'"),
+        ({"url": f"redis://u:{PASSWORD}@h:1"}, "'redis://h:1' holds a password"),
+        ({"url": "redis://h:1", "password": 5}, "password must be a string, got a secret"),
+        ({"url": "redis://h:1", "cluster": "yes"}, "cluster must be true or false, got 'yes'"),
+        ({"url": "unix:///tmp/s", "cluster": True}, "over TCP"),
+        ({"url": "redis://h:1", "max_concurrency": 0}, "max_concurrency must be .*got 0"),
+        ({"url": "redis://h:1", "timeout_s": -1}, "timeout_s must be .*got -1"),
+        ({"url": "redis://h:1", "max_attempts": True}, "max_attempts must be .*got True"),
+    ]:
+        with pytest.raises(kc.ConfigError, match=message) as info:
+            valkey_tier_from_config(host, mapper, cfg)
+        assert PASSWORD not in str(info.value)
+    assert PASSWORD not in caplog.text
+
+
+async def test_startup_fails_naming_the_server_when_unreachable(host: kc.HostBuffer) -> None:
+    """Nothing listening: the actor's start-up raises TierUnavailableError naming the URL."""
+    url = f"redis://127.0.0.1:{free_port()}"
+    tier = make_tier(url, host, max_attempts=1, connect_timeout_s=0.5)
+    with pytest.raises(kc.TierUnavailableError, match=f"{url}.*ConnectionError"):
+        await asyncio.wait_for(tier.run(), 10)
+    assert tier._client is None
+
+
+# -- single server ------------------------------------------------------------------------
+async def test_roundtrip_layout_and_value_are_the_fs_block_file(
+    server: Server, host: kc.HostBuffer, tmp_path: Path
+) -> None:
+    """MISS, store, HIT (a second tier asks the server), byte-exact load; the key is the s3
+    object key (``prefix/`` + the fs relative path) and the value is the fs block file byte for
+    byte, in both directions (fs serves a value copied out, valkey serves a file copied in)."""
+    mapper = FileMapper(default_identity())
+    tier = make_tier(server.url, host, prefix="/team/kv/")
+    other = make_tier(server.url, host, prefix="team/kv")
+    fs = FileSystemTier(host, tmp_path, mapper)
+    client = sync_client(server.url)
+    async with running(tier, other, fs):
+        assert await lookups(tier, [key(0)], kc.ReqContext("a")) == [R.MISS]
+        assert (await store(tier, host, [1, 2], [0, 1])).success
+        assert await lookups(other, [key(1), key(2), key(3)], kc.ReqContext("b")) == [
+            R.HIT,
+            R.HIT,
+            R.MISS,
+        ]
+        result = await load(other, [1], [5])
+        assert result.success and result.transfer_size == BLOCK
+        assert bytes(host.row(5)) == pattern(1)
+        name = f"team/kv/{mapper.relative_path(key(1))}"
+        assert tier.object_key(key(1)) == name
+        blob = client.get(name)
+        assert len(blob) == file_size(BLOCK) and blob[HEADER_BYTES:][:BLOCK] == pattern(1)
+        path = Path(fs.path_of(key(1)))
+        path.parent.mkdir(parents=True)
+        path.write_bytes(blob)
+        assert (await fs.submit_load(job([key(1)], [9], True))).success
+        assert bytes(host.row(9)) == pattern(1)
+        host.row(2)[:] = pattern(8)
+        assert (await fs.submit_store(job([key(8)], [2], False))).success
+        client.set(tier.object_key(key(8)), Path(fs.path_of(key(8))).read_bytes())
+        assert (await load(tier, [8], [10])).success
+        assert bytes(host.row(10)) == pattern(8)
+        assert list(tier.take_events()) == [
+            kc.OffloadingEvent([key(1), key(2)], kc.Medium.STORAGE, False, "valkey")
+        ]
+    client.close()
+
+
+async def test_missing_block_is_a_clean_miss_and_the_batch_reports_what_loaded(
+    server: Server, host: kc.HostBuffer
+) -> None:
+    """A load batch with a never-stored block fails that block only: the others land, the
+    missing one is counted (``missing_blocks``) and becomes a MISS for the request."""
+    tier = make_tier(server.url, host)
+    async with running(tier):
+        assert (await store(tier, host, [0, 2], [0, 1])).success
+        ctx = kc.ReqContext("r")
+        assert await lookups(tier, [key(0), key(1), key(2)], ctx) == [R.HIT, R.MISS, R.HIT]
+        result = await load(tier, [0, 1, 2], [5, 6, 7])
+        assert not result.success and set(result.successful_keys or ()) == {key(0), key(2)}
+        assert bytes(host.row(5)) == pattern(0) and bytes(host.row(7)) == pattern(2)
+        assert tier.counters["missing_blocks"] == 1 and tier.counters["errors"] == 0
+
+
+async def test_corrupt_foreign_or_short_value_is_a_miss_and_deleted(
+    server: Server, host: kc.HostBuffer
+) -> None:
+    """A flipped payload byte, another key's value, a truncated value: each load fails, the
+    primary row is left untouched, the value is deleted and counted (``corrupt_blocks``)."""
+    tier = make_tier(server.url, host)
+    client = sync_client(server.url)
+    async with running(tier):
+        assert (await store(tier, host, [0, 1, 2], [0, 1, 2])).success
+        names = [tier.object_key(key(i)) for i in range(3)]
+        blob = bytearray(client.get(names[0]))
+        blob[HEADER_BYTES + 10] ^= 1
+        client.set(names[0], bytes(blob))
+        client.set(names[1], client.get(names[2]))  # a foreign block (key digest differs)
+        client.set(names[2], client.get(names[2])[:-4096])
+        for i in range(3):
+            host.row(8)[:] = b"\x55" * BLOCK
+            assert not (await load(tier, [i], [8])).success
+            assert bytes(host.row(8)) == b"\x55" * BLOCK
+        assert tier.counters["corrupt_blocks"] == 3
+        assert client.exists(*names) == 0
+        assert await lookups(tier, [key(0)], kc.ReqContext("x")) == [R.MISS]
+    client.close()
+
+
+async def test_block_evicted_by_the_server_is_a_clean_miss(
+    tmp_path: Path, host: kc.HostBuffer
+) -> None:
+    """A server with ``maxmemory`` and ``allkeys-lru``: storing far more than fits evicts the
+    oldest blocks on the server; those are MISS at lookup and a clean failed block at load
+    (``missing_blocks``, no error), the newest load byte-exact, stores never fail."""
+    srv = Server(tmp_path / "lru", "--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru")
+    srv.start()
+    try:
+        tier = make_tier(srv.url, host)
+        async with running(tier):
+            for i in range(0, 160, 8):  # 160 values of 12 KiB: ~2 MiB of payload alone
+                assert (await store(tier, host, list(range(i, i + 8)), list(range(8)))).success
+            got = await lookups(tier, [key(i) for i in range(160)], kc.ReqContext("r"))
+            assert got[0] == R.MISS and got[-1] == R.HIT
+            assert (await load(tier, [159], [9])).success
+            assert bytes(host.row(9)) == pattern(159)
+            assert not (await load(tier, [0], [10])).success
+            assert tier.counters["missing_blocks"] == 1
+            assert tier.counters["errors"] == tier.counters["store_failures"] == 0
+    finally:
+        srv.stop()
+
+
+async def test_full_server_refuses_stores_logs_once_and_recovers(
+    tmp_path: Path, host: kc.HostBuffer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``maxmemory`` with ``noeviction``: the start-up warns, a store past the limit fails with
+    the server's OOM answer, stores are then dropped without a command for ``DOWN_RETRY_S``,
+    loads keep working; once the server has room, stores succeed again (no restart)."""
+    caplog.set_level(logging.INFO, logger="kvcascade")
+    srv = Server(tmp_path / "oom", "--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
+    srv.start()
+    try:
+        tier = make_tier(srv.url, host)
+        async with running(tier):
+            assert "noeviction" in caplog.text
+            assert (await store(tier, host, [0])).success
+            failed = None
+            for i in range(1, 400, 4):
+                result = await store(tier, host, list(range(i, i + 4)), [1, 2, 3, 4])
+                if not result.success:
+                    failed = result
+                    break
+            assert failed is not None and "full (OutOfMemoryError)" in (failed.error or "")
+            dropped = await store(tier, host, [1000], [5])
+            assert not dropped.success and "full; store dropped" in (dropped.error or "")
+            assert tier.counters["store_dropped_blocks"] == 1
+            assert (await load(tier, [0], [9])).success and bytes(host.row(9)) == pattern(0)
+            assert caplog.text.count("out of memory") == 1
+            srv.cli("CONFIG", "SET", "maxmemory", "0")
+            await asyncio.sleep(valkey_module.DOWN_RETRY_S + 0.1)
+            assert (await store(tier, host, [2000], [6])).success
+    finally:
+        srv.stop()
+
+
+async def test_server_restart_degrades_then_recovers_without_restart(
+    tmp_path: Path, host: kc.HostBuffer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server killed: the first command fails and marks it down (one warning), then
+    lookups MISS, stores are dropped and loads fail without a command; restarted empty on the
+    same port, the tier answers again after ``DOWN_RETRY_S`` (one info line): old blocks are
+    misses, new ones round-trip."""
+    caplog.set_level(logging.INFO, logger="kvcascade")
+    srv = Server(tmp_path / "restart")
+    srv.start()
+    try:
+        tier = make_tier(srv.url, host, max_attempts=1, timeout_s=1)
+        async with running(tier):
+            assert (await store(tier, host, [0])).success
+            srv.kill()
+            first = await store(tier, host, [1])
+            assert not first.success and "unreachable" in (first.error or "")
+            assert not (await store(tier, host, [2])).success
+            assert tier.counters["store_dropped_blocks"] == 1
+            assert await lookups(tier, [key(0)], kc.ReqContext("a")) == [R.MISS]
+            assert not (await load(tier, [0], [9])).success
+            srv.start()
+            await asyncio.sleep(valkey_module.DOWN_RETRY_S + 0.1)
+            assert await lookups(tier, [key(0)], kc.ReqContext("b")) == [R.MISS]
+            assert (await store(tier, host, [3])).success
+            assert (await load(tier, [3], [10])).success and bytes(host.row(10)) == pattern(3)
+        assert caplog.text.count("unreachable; lookups miss") == 1
+        assert caplog.text.count("answers again") == 1
+    finally:
+        srv.stop()
