@@ -117,6 +117,7 @@ class Cascade:
         # GPU block id → the load filling it: a store from that block waits for it first.
         self._loading: dict[int, asyncio.Future[None]] = {}
         self._opened = False
+        self._drops_logged = False
         self.counters: collections.Counter[str] = collections.Counter()
 
     # -- awaitable API ---------------------------------------------------------------------
@@ -233,7 +234,9 @@ class Cascade:
         A source block that an unfinished :meth:`load` is filling is copied only after that load
         returns. Keys already present (or being written) are skipped. When the primary tier has
         no evictable room, waits for in-flight cascades to release their pins and tries once
-        more; keys that still do not fit are dropped (counted). The cascade to secondary tiers
+        more; then the leading keys that fit are stored and the rest dropped (counted in
+        ``counters["store_dropped_blocks"]`` and in ``StoreResult.dropped``; the first drop is
+        logged as a warning). The cascade to secondary tiers
         runs in the background. Cancelled while copying, the copy finishes and its outcome is
         recorded.
 
@@ -249,11 +252,16 @@ class Cascade:
             await asyncio.wait(cascades)
             coord.poll_now()
             out = coord.prepare_store(keys, ctx)
+        dropped = 0
+        if out is None:  # store the leading part that fits; the rest is dropped
+            fits = self._fitting_prefix(keys)
+            out = coord.prepare_store(keys[:fits], ctx) if fits else None
+            dropped = len(keys) - (fits if out is not None else 0)
+            self._count_dropped(dropped, len(keys), "the CPU tier has no evictable room")
         if out is None:
-            self.counters["store_dropped_blocks"] += len(keys)
-            return StoreResult(dropped=len(keys))
+            return StoreResult(dropped=dropped)
         if not out.keys_to_store:
-            return StoreResult()
+            return StoreResult(dropped=dropped)
         index = {k: i for i, k in enumerate(keys)}
         src = np.asarray([gpu_ids[index[k]] for k in out.keys_to_store], dtype=np.int64)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -271,8 +279,35 @@ class Cascade:
         if not transfer.success:
             log.warning("device store failed: %s", transfer.error)
             self.counters["store_dropped_blocks"] += len(out.keys_to_store)
-            return StoreResult(dropped=len(out.keys_to_store))
-        return StoreResult(out.keys_to_store, 0, transfer.bytes)
+            return StoreResult(dropped=dropped + len(out.keys_to_store))
+        return StoreResult(out.keys_to_store, dropped, transfer.bytes)
+
+    def _fitting_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the primary tier can take now: their new keys fit in its
+        free slots plus the idle blocks that are not among them (those the store protects)."""
+        primary = self.primary
+        room = primary.num_free + primary.num_evictable
+        for i, key in enumerate(keys):
+            block = primary.get_block(key)
+            if block is None or block.ref_cnt == 0:  # a new slot, or a protected idle block
+                room -= 1
+                if room < 0:
+                    return i
+        return len(keys)
+
+    def _count_dropped(self, dropped: int, asked: int, why: str) -> None:
+        """Count dropped store keys; log the first drop as a warning, later ones at debug."""
+        if not dropped:
+            return
+        self.counters["store_dropped_blocks"] += dropped
+        (log.debug if self._drops_logged else log.warning)(
+            "kvcascade: store dropped %d of %d keys: %s (counted in "
+            "counters['store_dropped_blocks']; later drops are logged at debug level)",
+            dropped,
+            asked,
+            why,
+        )
+        self._drops_logged = True
 
     def touch(self, keys: Sequence[bytes], ctx: ReqContext) -> None:
         """Record that a request reads ``keys`` — every block of its prompt, cached or not, in

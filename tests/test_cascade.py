@@ -5,6 +5,7 @@ the defect it keeps fixed."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Sequence
 
@@ -203,5 +204,30 @@ async def test_a_failed_device_load_is_counted() -> None:
             cascade.device.kv = kv
         assert result.loaded == 0 and result.failed_keys == [key(1)]
         assert cascade.counters["load_failed_blocks"] == 1
+        cascade.finish_request(ctx)
+        assert_idle(cascade)
+
+
+async def test_store_of_more_keys_than_the_cpu_tier_holds_stores_what_fits(caplog) -> None:
+    """Issue #21 item 3: store() of 6 keys into a 4-slot CPU tier stores the leading 4 and
+    drops 2 (counted, in the result, logged once as a warning), instead of dropping all 6."""
+    caplog.set_level(logging.DEBUG, logger="kvcascade.cascade")
+    async with kc.open_cascade(config(cpu_blocks=4)) as cascade:
+        ctx = kc.ReqContext("a")
+        keys = [key(i) for i in range(6)]
+        for g in range(6):
+            cascade.device.kv[g] = g
+        result = await cascade.store(keys, ctx, list(range(6)))
+        assert result.stored == keys[:4] and result.dropped == 2
+        assert cascade.counters["store_dropped_blocks"] == 2
+        for i, k in enumerate(keys[:4]):
+            assert bytes(cascade.host.row(cascade.primary.get_block(k).block_id)) == bytes([i]) * 64
+        await cascade.wait_cascades()
+        again = await cascade.store([key(10 + i) for i in range(6)], ctx, list(range(6)))
+        assert len(again.stored) == 4 and again.dropped == 2  # the first 4 were evicted
+        assert cascade.counters["store_dropped_blocks"] == 4
+        warnings = [r.levelname for r in caplog.records if "store dropped" in r.getMessage()]
+        assert warnings == ["WARNING", "DEBUG"]
+        await cascade.wait_cascades()
         cascade.finish_request(ctx)
         assert_idle(cascade)
