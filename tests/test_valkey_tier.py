@@ -26,8 +26,10 @@ from valkey_fixtures import Cluster, Server, ThrottleProxy, free_port, needs_ser
 import kvcascade as kc
 from kvcascade import LookupResult as R
 from kvcascade._cli import main
+from kvcascade.backpressure import CascadeAdmission
 from kvcascade.coordinator import TieringCoordinator
 from kvcascade.index.cpu import CPUOffloadingManager
+from kvcascade.metrics import TieringMetrics
 from kvcascade.tiers import valkey as valkey_module
 from kvcascade.tiers._file_mapper import FileMapper, default_identity
 from kvcascade.tiers.fs import HEADER_BYTES, FileSystemTier, file_size
@@ -275,3 +277,107 @@ async def test_server_restart_degrades_then_recovers_without_restart(
         assert caplog.text.count("answers again") == 1
     finally:
         srv.stop()
+
+
+# -- back-pressure ------------------------------------------------------------------------
+def test_admission_budget_follows_the_measured_rate(host: kc.HostBuffer) -> None:
+    """The admission rule of kvcascade/backpressure.py on its own clock: before any rate a tier
+    may queue up to the cap; a stalled window drops it to the floor; one job always goes when
+    nothing is queued; a fast window raises the budget back (bounded by the cap); drops are
+    counted on the tier's metric."""
+    now = [0.0]
+    tiers = [kc.MemoryTier(host, name="slow")]
+    metrics = TieringMetrics(["slow"])
+    adm = CascadeAdmission(tiers, 100, metrics, floor_blocks=4, clock=lambda: now[0])
+    assert adm.cap == 50 and adm.budget(0) == 50
+    assert all(adm.admit(0, 10) for _ in range(5)) and not adm.admit(0, 1)
+    now[0] = 1.0  # a window of 1 s with nothing finished: live rate 0 → floor
+    assert adm.budget(0) == 4
+    adm.finished(0, 10)  # closes the window: 10 blocks in 1 s
+    assert adm.budget(0) == 10 and not adm.admit(0, 2)
+    for _ in range(4):
+        adm.finished(0, 10)
+    assert metrics.value("cascade_queued_blocks", 0) == 0
+    assert adm.admit(0, 70)  # nothing queued: one job always goes
+    now[0] = 1.1
+    adm.finished(0, 70)  # 70 blocks in 0.1 s: 700 blocks/s, averaged with 10: budget = cap
+    assert adm.budget(0) == 50
+    assert metrics.value("cascade_dropped_blocks", 0) == 3
+    assert metrics.value("cascade_throughput_bytes", 0) == pytest.approx(355 * BLOCK)
+    with pytest.raises(ValueError, match="max_lag_s out of range: 0"):
+        CascadeAdmission(tiers, 100, metrics, max_lag_s=0)
+
+
+BP_BLOCK = 64 * 1024
+BP_SLOTS = 48
+
+
+async def test_slow_server_back_pressure_keeps_primary_stores_and_recovers(
+    server: Server, tmp_path: Path
+) -> None:
+    """An engine storing 2 new blocks per step through the synchronous hooks while the valkey
+    server is throttled to 1 MiB/s by a proxy (an fs tier beside it keeps up): no GPU→CPU store
+    is refused for want of a primary slot, the cascades the slow tier cannot take are dropped
+    and counted for that tier only, every block the valkey tier reports stored loads back
+    byte-exact, the fs tier has every block; throttle lifted, the valkey tier takes every store
+    again."""
+    host = kc.HostBuffer(BP_SLOTS, BP_BLOCK)
+    primary = CPUOffloadingManager(BP_SLOTS)
+    mapper = FileMapper(default_identity())
+    fs = FileSystemTier(host, tmp_path / "fs", mapper)
+    payloads: dict[bytes, bytes] = {}
+
+    def step(coord: TieringCoordinator, i: int) -> None:
+        ctx = kc.ReqContext(f"r{i}")
+        coord.on_new_request(ctx)
+        keys = [key(10_000 + 2 * i), key(10_001 + 2 * i)]
+        out = coord.prepare_store(keys, ctx)
+        assert out is not None, f"step {i}: the primary tier refused a store (all pinned)"
+        for k, slot in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
+            payloads[k] = pattern(int.from_bytes(k[:4], "big"), BP_BLOCK)
+            host.row(int(slot))[:] = payloads[k]
+        coord.complete_store(out.keys_to_store, ctx)
+        coord.on_request_finished(ctx)
+        coord.on_schedule_end()
+
+    try:
+        async with ThrottleProxy(server.port, rate=1 << 20) as proxy:
+            vk = make_tier(proxy.url, host, timeout_s=20, io_timeout_s=60)
+            async with running(vk, fs):
+                coord = TieringCoordinator(primary, [vk, fs])
+                for i in range(150):
+                    step(coord, i)
+                    await asyncio.sleep(0.005)
+                dropped = coord.metrics.value("cascade_dropped_blocks", 0)
+                assert dropped > 0 and coord.metrics.value("cascade_dropped_blocks", 1) == 0
+                assert coord.metrics.value("cascade_queued_blocks", 0) <= BP_SLOTS // 2
+                proxy.rate = None
+                await vk.drain()
+                await fs.drain()
+                coord.poll_now()
+                admitted_run, i = 0, 150
+                while admitted_run < 30 and i < 600:  # until 30 steps in a row were admitted
+                    before = coord.metrics.value("cascade_dropped_blocks", 0)
+                    step(coord, i)
+                    await vk.drain()
+                    coord.poll_now()
+                    same = coord.metrics.value("cascade_dropped_blocks", 0) == before
+                    admitted_run = admitted_run + 1 if same else 0
+                    i += 1
+                assert admitted_run == 30
+                assert coord.metrics.value("cascade_throughput_bytes", 0) > 0
+                await fs.drain()
+                coord.poll_now()
+                stored = [k for e in vk.take_events() for k in e.keys]
+                assert len(stored) + dropped == len(payloads) == 2 * i
+                assert await fs.contains(list(payloads)) == [True] * len(payloads)
+                # nothing lost or corrupted: every stored block loads back byte-exact
+                for tier, keys in ((vk, stored), (fs, list(payloads))):
+                    for n in range(0, len(keys), BP_SLOTS):
+                        part = keys[n : n + BP_SLOTS]
+                        slots = list(range(len(part)))
+                        assert (await tier.submit_load(job(part, slots, True))).success
+                        for k, slot in zip(part, slots, strict=True):
+                            assert bytes(host.row(slot)) == payloads[k]
+    finally:
+        host.close()
