@@ -152,8 +152,7 @@ class CascadeAdmission:
             return
         if elapsed > 0:
             sample = state.window_blocks / elapsed
-            state.rate = (
-                sample if state.rate is None else self.alpha * sample + (1 - self.alpha) * state.rate
-            )
+            old = sample if state.rate is None else state.rate
+            state.rate = self.alpha * sample + (1 - self.alpha) * old
         state.window_blocks = 0
         state.window_start = now if state.queued else None
