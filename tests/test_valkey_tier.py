@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import signal
 import time
 from collections.abc import Iterator
@@ -381,3 +382,72 @@ async def test_slow_server_back_pressure_keeps_primary_stores_and_recovers(
                             assert bytes(host.row(slot)) == payloads[k]
     finally:
         host.close()
+
+
+# -- cluster --------------------------------------------------------------------------------
+async def test_cluster_roundtrip_spreads_blocks_over_every_master(
+    cluster: Cluster, host: kc.HostBuffer
+) -> None:
+    """On a 3-master cluster the blocks of one job land on every master (one key per block:
+    value and header never split across slots); a probe batch spanning slots answers per key;
+    loads are byte-exact; a corrupt value is deleted on whichever node holds it."""
+    tier = make_tier(cluster.url, host, cluster=True)
+    client = sync_client(cluster.url, cluster=True)
+    async with running(tier):
+        assert (await store(tier, host, list(range(12)), list(range(12)))).success
+        assert all(int(m.cli("DBSIZE")) > 0 for m in cluster.masters)
+        got = await lookups(tier, [key(i) for i in range(16)], kc.ReqContext("r"))
+        assert got == [R.HIT] * 12 + [R.MISS] * 4
+        for slot in range(12):
+            host.row(slot)[:] = bytes(BLOCK)
+        assert (await load(tier, list(range(12)), list(range(12)))).success
+        assert all(bytes(host.row(i)) == pattern(i) for i in range(12))
+        name = tier.object_key(key(5))
+        blob = bytearray(client.get(name))
+        blob[-1 - (file_size(BLOCK) - HEADER_BYTES - BLOCK)] ^= 0xFF  # last payload byte
+        client.set(name, bytes(blob))
+        assert not (await load(tier, [5], [13])).success
+        assert tier.counters["corrupt_blocks"] == 1 and client.exists(name) == 0
+    client.close()
+
+
+async def test_cluster_failover_degrades_then_serves_the_replicated_blocks(
+    cluster: Cluster, host: kc.HostBuffer
+) -> None:
+    """The first master (which has a replica) killed: while the cluster fails over the tier
+    degrades (failed or dropped stores, misses), never raises; once the replica is master the
+    same tier, not restarted, loads every block byte-exact (those of the killed master from its
+    replica) and stores again. Runs last: it changes the module's cluster."""
+    tier = make_tier(cluster.url, host, cluster=True, timeout_s=1, max_attempts=2)
+    master, replica = cluster.masters[0], cluster.replica
+    client = sync_client(cluster.url, cluster=True)
+    on_master = [
+        n
+        for n in range(100, 200)
+        if client.get_node_from_key(tier.object_key(key(n))).port == master.port
+    ][:3]
+    client.close()
+    async with running(tier):
+        assert (await store(tier, host, list(range(12)), list(range(12)))).success
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the replica has every write of its master
+            offset = master.cli("INFO", "replication").split("master_repl_offset:")[1].split()[0]
+            if f"offset={offset}," in master.cli("INFO", "replication"):
+                break
+            await asyncio.sleep(0.05)
+        master.kill()
+        results = [await store(tier, host, [n], [12]) for n in on_master]
+        assert not all(r.success for r in results)  # degraded, reported as failed results
+        deadline = time.monotonic() + 20
+        while "role:master" not in replica.cli("INFO", "replication") or cluster.state() != "ok":
+            assert time.monotonic() < deadline, "the replica did not take over"
+            await asyncio.sleep(0.2)
+        for slot in range(12):
+            host.row(slot)[:] = bytes(BLOCK)
+        deadline = time.monotonic() + 20
+        while not (result := await load(tier, list(range(12)), list(range(12)))).success:
+            assert time.monotonic() < deadline, f"no recovery after the failover: {result}"
+            await asyncio.sleep(0.3)
+        assert all(bytes(host.row(i)) == pattern(i) for i in range(12))
+        assert (await store(tier, host, [200, 201], [12, 13])).success
+        assert await lookups(tier, [key(200), key(201)], kc.ReqContext("f")) == [R.HIT, R.HIT]

@@ -225,7 +225,6 @@ class ValkeyTier(SecondaryTier):
             "retry": Retry(ExponentialBackoff(cap=0.5, base=0.02), max_attempts - 1),
         }
         self.max_concurrency = max_concurrency
-        self.max_attempts = max_attempts
         self._sem = asyncio.Semaphore(max_concurrency)
         self._client: Any = None
         self._down_until = 0.0
@@ -245,7 +244,6 @@ class ValkeyTier(SecondaryTier):
             return RedisCluster.from_url(
                 self._client_url,
                 max_connections=self.max_concurrency,
-                cluster_error_retry_attempts=self.max_attempts,
                 **self._options,
             )
         pool = aioredis.BlockingConnectionPool.from_url(
@@ -258,7 +256,8 @@ class ValkeyTier(SecondaryTier):
 
     async def _startup(self) -> None:
         """Create the client and check the server answers (``PING``); warn when its eviction
-        policy cannot evict (``noeviction``: a full server refuses stores instead).
+        policy cannot evict (``maxmemory`` with ``noeviction``: a full server refuses stores);
+        a server that does not answer ``CONFIG GET`` (managed services) is not checked.
 
         Raises:
             TierUnavailableError: the server cannot be reached or refused the credentials; the
@@ -273,8 +272,15 @@ class ValkeyTier(SecondaryTier):
                 f"valkey tier {self.name!r}: server {self.url} is not reachable ({exc})"
             ) from exc
         with contextlib.suppress(KVCascadeError), self._backend("CONFIG GET"):
-            policy = (await self._client.config_get("maxmemory-policy")).get("maxmemory-policy")
-            if policy == "noeviction":
+            config = await self._client.config_get("maxmemory*")
+            if config.get("maxmemory", "0") == "0":
+                log.info(
+                    "valkey tier %s: %s has no maxmemory: it grows until the host runs out of "
+                    "memory (docs/valkey-tier.md, Capacity)",
+                    self.name,
+                    self.url,
+                )
+            elif config.get("maxmemory-policy") == "noeviction":
                 log.warning(
                     "valkey tier %s: %s has maxmemory-policy noeviction: once full it refuses "
                     "stores; set allkeys-lru to let it evict (docs/valkey-tier.md)",
