@@ -11,13 +11,10 @@ import asyncio
 import json
 import logging
 import time
-import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import redis
 import valkey_fixtures
@@ -278,6 +275,31 @@ async def test_server_restart_degrades_then_recovers_without_restart(
         assert caplog.text.count("answers again") == 1
     finally:
         srv.stop()
+
+
+# -- replay --------------------------------------------------------------------------------
+def test_cli_replay_with_valkey(
+    server: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kvcascade replay --no-fs --valkey URL``: conversations that come back after the small
+    GPU and CPU tiers dropped them are served by the valkey tier, byte-exact (the replay checks
+    every loaded byte); hits and traffic are in the table and the JSON report."""
+    trace = tmp_path / "trace.jsonl"
+    lines = []
+    for i in range(48):  # 6 chats round-robin, each turn one block longer
+        chat, turn = i % 6, i // 6
+        lines.append(json.dumps({"hash_ids": [chat * 1000 + j for j in range(turn + 2)]}))
+    trace.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "r.json"
+    argv = ["replay", str(trace), "--block-bytes", "4096", "--cpu-blocks", "8"]
+    argv += ["--gpu-blocks", "16", "--no-fs", "--valkey", server.url, "--json", str(out)]
+    assert main([*argv, "--quiet"]) == 0
+    report = json.loads(out.read_text())
+    assert report["hit_blocks"]["valkey"] > 0 and report["mismatched_blocks"] == 0
+    assert report["bytes"]["cpu_to_valkey"] > 0 and report["bytes"]["valkey_to_cpu"] > 0
+    assert report["config"]["secondary_tiers"] == [{"type": "valkey", "url": server.url}]
+    table = capsys.readouterr().out
+    assert "hit blocks: valkey" in table and "bytes cpu → valkey" in table
 
 
 # -- back-pressure ------------------------------------------------------------------------
