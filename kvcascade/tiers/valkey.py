@@ -23,7 +23,8 @@ retried by the client (``max_attempts`` in all, exponential backoff) on connecti
 timeouts; the job as a whole is bounded by ``io_timeout_s`` (:class:`SecondaryTier`).
 
 * **Store** (per block, concurrently): the value is assembled in one buffer (the client sends a
-  value as one argument: one copy of the payload, plus the xxh3 pass) and written with ``SET``.
+  value as one argument: one copy of the payload, plus the xxh3 pass; buffers are reused, at
+  most ``max_concurrency`` of them) and written with ``SET``.
   A key another engine already wrote is rewritten with the same bytes (a cascade only carries
   blocks the primary tier did not have, so rewrites are rare, and a rewrite refreshes the
   server's LRU clock).
@@ -226,6 +227,7 @@ class ValkeyTier(SecondaryTier):
         }
         self.max_concurrency = max_concurrency
         self._sem = asyncio.Semaphore(max_concurrency)
+        self._values: list[memoryview] = []  # value buffers free for reuse (<= max_concurrency)
         self._client: Any = None
         self._down_until = 0.0
         self._full_until = 0.0
@@ -355,8 +357,13 @@ class ValkeyTier(SecondaryTier):
         self._full_until = time.monotonic() + DOWN_RETRY_S
 
     async def _command(self, op: str, fn: Callable[[], Awaitable[Any]]) -> Any:
-        """One command (under the semaphore and :meth:`_backend`), refused without a command
-        while the server is marked down.
+        """One command under the semaphore: :meth:`_call`."""
+        async with self._sem:
+            return await self._call(op, fn)
+
+    async def _call(self, op: str, fn: Callable[[], Awaitable[Any]]) -> Any:
+        """One command (the caller holds the semaphore) through :meth:`_backend`, refused
+        without a command while the server is marked down.
 
         Raises:
             TierUnavailableError: the server is marked down, or was found unreachable now.
@@ -364,9 +371,8 @@ class ValkeyTier(SecondaryTier):
         """
         if not self._available():
             raise TierUnavailableError(f"valkey server {self.url} is down")
-        async with self._sem:
-            with self._backend(op):
-                return await fn()
+        with self._backend(op):
+            return await fn()
 
     # -- movers (coroutines on the event loop) -------------------------------------------
     async def _store_blocks(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
@@ -411,12 +417,16 @@ class ValkeyTier(SecondaryTier):
         raise TransferError(f"valkey {kind} of block {i} failed: {first}", succeeded) from first
 
     async def _store_one(self, key: bytes, row: memoryview) -> int:
-        value = memoryview(bytearray(self.value_bytes))  # zeros: the padding is already there
-        payload = value[HEADER_BYTES : HEADER_BYTES + row.nbytes]
-        payload[:] = row
-        encode_header(key, payload, value[:HEADER_BYTES])
         name = self.object_key(key)
-        await self._command("SET", lambda: self._client.set(name, value))
+        async with self._sem:
+            # A value buffer of a finished store is reused: its header beyond the 32 bytes
+            # encode_header writes and its padding are still zero; a fresh one costs page faults.
+            value = self._values.pop() if self._values else memoryview(bytearray(self.value_bytes))
+            payload = value[HEADER_BYTES : HEADER_BYTES + row.nbytes]
+            payload[:] = row
+            encode_header(key, payload, value[:HEADER_BYTES])
+            await self._call("SET", lambda: self._client.set(name, value))
+        self._values.append(value)  # not after a failure: a cancelled send may still hold it
         return row.nbytes
 
     async def _load_one(self, key: bytes, row: memoryview) -> int:
