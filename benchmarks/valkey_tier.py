@@ -15,7 +15,8 @@ loaded back, against the same server in the same run:
 Every repeat uses fresh keys; keys are deleted after each repeat (untimed). Loaded bytes are
 verified after each timed tier load (untimed). Repeats alternate which side goes first; the
 table shows the best of the repeats, GB/s of payload (1e9 bytes per second) for store, load
-and store+load (total bytes / total seconds), and tier/raw ratios.
+and store+load (total bytes / total seconds), tier/raw ratios, and the CPU seconds this
+process spent per GB on each side (``time.process_time``; the server is another process).
 
 Without ``--url`` a ``redis-server`` (or ``valkey-server``) is started on a free loopback port
 for the run, persistence off.
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import shutil
 import socket
@@ -137,11 +139,13 @@ async def bench_size(args: argparse.Namespace, block: int) -> dict[str, float]:
             actor = asyncio.create_task(tier.run(started.set))
             await started.wait()
             times: dict[str, float] = {}
+            cpu_times: dict[str, float] = {}
             try:
                 sides = ["tier", "raw"] if repeat % 2 == 0 else ["raw", "tier"]
                 for direction in ("store", "load"):
                     for side in sides:
                         store = direction == "store"
+                        cpu = time.process_time()
                         if side == "tier":
                             if not store:
                                 host.tensor().zero_()
@@ -153,6 +157,7 @@ async def bench_size(args: argparse.Namespace, block: int) -> dict[str, float]:
                                 client, names, values if store else [], args.concurrency
                             )
                         times[f"{side}_{direction}"] = elapsed
+                        cpu_times[f"{side}_{direction}"] = time.process_time() - cpu
             finally:
                 tier.close()
                 await actor
@@ -162,6 +167,9 @@ async def bench_size(args: argparse.Namespace, block: int) -> dict[str, float]:
             for name, seconds in times.items():
                 gbps = (2 if name.endswith("both") else 1) * n * block / seconds / 1e9
                 best[name] = max(best.get(name, 0.0), gbps)
+            for name, seconds in cpu_times.items():  # this process's CPU seconds per GB
+                per_gb = seconds / (n * block / 1e9)
+                best[f"cpu_{name}"] = min(best.get(f"cpu_{name}", math.inf), per_gb)
     finally:
         await client.aclose()
         host.close()
@@ -183,6 +191,8 @@ async def main(args: argparse.Namespace) -> None:
         for d in ("store", "load", "both"):
             tier, raw = r[f"tier_{d}"], r[f"raw_{d}"]
             cells += [f"{tier:.3f}", f"{raw:.3f}", f"{tier / raw:.2f}"]
+        for d in ("store", "load"):
+            cells.append(f"{r[f'cpu_tier_{d}']:.2f} / {r[f'cpu_raw_{d}']:.2f}")
         print("| " + " | ".join(cells) + " |", flush=True)
 
 
