@@ -181,9 +181,10 @@ async def main(args: argparse.Namespace) -> None:
     print(f"server {args.url}, concurrency {args.concurrency}, best of {args.repeats}, GB/s")
     print(
         "| block | blocks | tier store | raw store | ratio | tier load | raw load | ratio "
-        "| tier store+load | raw store+load | ratio |"
+        "| tier store+load | raw store+load | ratio | CPU-s/GB store tier / raw "
+        "| CPU-s/GB load tier / raw |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes.split(","):
         block = parse_size(size)
         r = await bench_size(args, block)
