@@ -82,6 +82,7 @@ def test_config_errors_name_the_bad_value_and_never_the_password(
         ({"url": "http://h:1"}, "must be redis://.*got 'http://h:1'"),
         ({"url": "redis://"}, "must be redis://.*got 'redis:'"),
         ({"url": f"redis://u:{PASSWORD}@h:1"}, "'redis://h:1' holds a password"),
+        ({"url": f"redis://h:1/0?password={PASSWORD}"}, "'redis://h:1/0' holds a password"),
         ({"url": "redis://h:1", "password": 5}, "password must be a string, got a secret"),
         ({"url": "redis://h:1", "cluster": "yes"}, "cluster must be true or false, got 'yes'"),
         ({"url": "unix:///tmp/s", "cluster": True}, "over TCP"),

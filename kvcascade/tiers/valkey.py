@@ -138,7 +138,7 @@ def _client_url(url: str) -> str:
     if not isinstance(url, str) or not url:
         raise ConfigError(f"valkey tier url must be a non-empty string, got {url!r}")
     parts = urllib.parse.urlsplit(url)
-    if parts.password is not None:
+    if parts.password is not None or "password" in urllib.parse.parse_qs(parts.query):
         raise ConfigError(
             f"valkey tier url {_display_url(url)!r} holds a password: give it as 'password'"
         )
