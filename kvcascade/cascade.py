@@ -301,7 +301,7 @@ class Cascade:
             return
         self.counters["store_dropped_blocks"] += dropped
         (log.debug if self._drops_logged else log.warning)(
-            "kvcascade: store dropped %d of %d keys: %s (counted in "
+            "store dropped %d of %d keys: %s (counted in "
             "counters['store_dropped_blocks']; later drops are logged at debug level)",
             dropped,
             asked,

@@ -199,7 +199,9 @@ class SecondaryTier(ABC):
     ) -> int | Awaitable[int]:
         """Persist ``rows[i]`` under ``keys[i]``; return bytes written.
 
-        Raises on the first failing block (:class:`TransferError` with the keys that succeeded).
+        Moves every block it can: a failing block does not stop the job (its later blocks are
+        still worth storing). If any failed, raises :class:`TransferError` with exactly the
+        keys stored (store hits included, in job order) and the bytes written.
         """
 
     @abstractmethod
@@ -208,8 +210,9 @@ class SecondaryTier(ABC):
     ) -> int | Awaitable[int]:
         """Fill ``rows[i]`` with the bytes stored under ``keys[i]``; return bytes read.
 
-        Raises on the first failing block (:class:`TransferError` with the keys that succeeded);
-        a block that fails its integrity check raises with a :class:`CorruptBlockError` cause.
+        Stops at the first failing block, since a prefix is useless after its first gap
+        (:class:`TransferError` with the keys before it); a block that fails its integrity
+        check raises with a :class:`CorruptBlockError` cause.
         """
 
     @abstractmethod

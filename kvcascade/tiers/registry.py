@@ -127,6 +127,31 @@ def resolve_tier_factory(tier_cfg: dict[str, Any]) -> TierFactory:
     return _resolve(entry) if isinstance(entry, str) else entry
 
 
+# Checks of a type's keys that need no I/O, run when a CascadeConfig is built.
+_CHECKS: dict[str, str] = {"fs": "kvcascade.tiers.fs:check_fs_tier_config"}
+
+
+def check_tier_config(tier_cfg: dict[str, Any], block_bytes: int) -> None:
+    """Refuse a ``secondary_tiers`` entry that could not build a tier, without building it:
+    unknown type, keys its factory does not take, missing required keys, and for the built-in
+    types the keys' values.
+
+    Raises:
+        ConfigError: see :func:`resolve_tier_factory` and the type's checker (e.g.
+            :func:`kvcascade.tiers.fs.check_fs_tier_config`).
+    """
+    factory = resolve_tier_factory(tier_cfg)
+    kwargs = {k: v for k, v in tier_cfg.items() if k not in ("type", "module_path")}
+    kwargs.setdefault("name", tier_cfg["type"])
+    try:
+        inspect.signature(factory).bind(None, **kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"secondary tier {tier_cfg['type']!r}: {exc}") from exc
+    check = _CHECKS.get(tier_cfg["type"]) if not tier_cfg.get("module_path") else None
+    if check is not None:
+        _resolve(check)(kwargs, block_bytes)
+
+
 def create_secondary_tier(tier_cfg: dict[str, Any], ctx: TierContext) -> SecondaryTier:
     """Build one tier: its config without ``type``/``module_path`` becomes keyword arguments;
     ``name`` defaults to the type.
