@@ -279,28 +279,55 @@ async def test_server_restart_degrades_then_recovers_without_restart(
 
 
 # -- replay --------------------------------------------------------------------------------
+def replay_argv(tmp_path: Path, url: str, out: Path) -> list[str]:
+    """``kvcascade replay`` arguments for a trace of 6 conversations served round-robin, each
+    turn one block longer, through GPU and CPU tiers too small to keep them: the returning
+    turns are served by the valkey tier at ``url``."""
+    trace = tmp_path / "trace.jsonl"
+    lines = []
+    for i in range(48):
+        chat, turn = i % 6, i // 6
+        lines.append(json.dumps({"hash_ids": [chat * 1000 + j for j in range(turn + 2)]}))
+    trace.write_text("\n".join(lines) + "\n")
+    argv = ["replay", str(trace), "--block-bytes", "4096", "--cpu-blocks", "8"]
+    return [*argv, "--gpu-blocks", "16", "--no-fs", "--valkey", url, "--json", str(out)]
+
+
 def test_cli_replay_with_valkey(
     server: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``kvcascade replay --no-fs --valkey URL``: conversations that come back after the small
     GPU and CPU tiers dropped them are served by the valkey tier, byte-exact (the replay checks
     every loaded byte); hits and traffic are in the table and the JSON report."""
-    trace = tmp_path / "trace.jsonl"
-    lines = []
-    for i in range(48):  # 6 chats round-robin, each turn one block longer
-        chat, turn = i % 6, i // 6
-        lines.append(json.dumps({"hash_ids": [chat * 1000 + j for j in range(turn + 2)]}))
-    trace.write_text("\n".join(lines) + "\n")
     out = tmp_path / "r.json"
-    argv = ["replay", str(trace), "--block-bytes", "4096", "--cpu-blocks", "8"]
-    argv += ["--gpu-blocks", "16", "--no-fs", "--valkey", server.url, "--json", str(out)]
-    assert main([*argv, "--quiet"]) == 0
+    assert main([*replay_argv(tmp_path, server.url, out), "--quiet"]) == 0
     report = json.loads(out.read_text())
     assert report["hit_blocks"]["valkey"] > 0 and report["mismatched_blocks"] == 0
     assert report["bytes"]["cpu_to_valkey"] > 0 and report["bytes"]["valkey_to_cpu"] > 0
     assert report["config"]["secondary_tiers"] == [{"type": "valkey", "url": server.url}]
     table = capsys.readouterr().out
     assert "hit blocks: valkey" in table and "bytes cpu → valkey" in table
+
+
+def test_replay_report_hides_the_valkey_password(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A server with ``requirepass``: ``replay --valkey URL --config`` with the tier's
+    ``password`` authenticates (hits), and the JSON report and the table show ``***`` instead
+    of the password."""
+    srv = Server(tmp_path / "auth", password=PASSWORD)
+    srv.start()
+    try:
+        out = tmp_path / "r.json"
+        cfg = {"secondary_tiers": [{"type": "valkey", "password": PASSWORD}]}
+        argv = [*replay_argv(tmp_path, srv.url, out), "--config", json.dumps(cfg)]
+        assert main([*argv, "--quiet"]) == 0
+        report = json.loads(out.read_text())
+        assert report["hit_blocks"]["valkey"] > 0
+        assert report["config"]["secondary_tiers"][0]["password"] == "***"
+        assert PASSWORD not in out.read_text() and PASSWORD not in capsys.readouterr().out
+    finally:
+        srv.stop()
 
 
 # -- back-pressure ------------------------------------------------------------------------

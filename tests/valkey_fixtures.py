@@ -46,12 +46,16 @@ def free_port() -> int:
 
 
 class Server:
-    """One ``redis-server`` child process on ``127.0.0.1:port`` in directory ``workdir``."""
+    """One ``redis-server`` child process on ``127.0.0.1:port`` in directory ``workdir``
+    (``password``: started with ``--requirepass``, which :meth:`cli` then sends)."""
 
-    def __init__(self, workdir: Path, *args: str, port: int | None = None) -> None:
+    def __init__(
+        self, workdir: Path, *args: str, port: int | None = None, password: str | None = None
+    ) -> None:
         self.port = port or free_port()
         self.workdir = workdir
-        self.args = args
+        self.args = (*args, "--requirepass", password) if password else args
+        self.password = password
         self.url = f"redis://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -101,8 +105,9 @@ class Server:
             subprocess.CalledProcessError / TimeoutExpired: the call failed.
         """
         assert CLI is not None
+        auth = ["--no-auth-warning", "-a", self.password] if self.password else []
         return subprocess.run(
-            [CLI, "-h", "127.0.0.1", "-p", str(self.port), *args],
+            [CLI, "-h", "127.0.0.1", "-p", str(self.port), *auth, *args],
             capture_output=True,
             text=True,
             check=True,
