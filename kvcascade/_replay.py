@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -292,22 +293,15 @@ def run_replay(
     config: CascadeConfig,
     progress: Callable[[int], None] | None = None,
 ) -> ReplayReport:
-    """Synchronous wrapper of :func:`replay` (runs its own event loop).
+    """Synchronous wrapper of :func:`replay` (runs its own event loop)."""
+    return asyncio.run(replay(trace, config, progress))
 
-    When ``config`` has an fs tier without ``root_dir``, a temporary directory
-    ``kvcascade-replay-<pid>-*`` is used and removed afterwards; those left by replays that were
-    killed (SIGKILL, a crash) are removed first (:func:`remove_stale_replay_dirs`).
-    """
-    tiers = config.secondary_tiers
-    needs_tmp = [t for t in tiers if t["type"] == "fs" and not t.get("root_dir")]
-    if not needs_tmp:
-        return asyncio.run(replay(trace, config, progress))
+
+@contextlib.contextmanager
+def temporary_fs_root() -> Iterator[str]:
+    """A temporary directory for the replay's fs tier, ``kvcascade-replay-<pid>-*``, removed on
+    exit; those left by replays that were killed (SIGKILL, a crash) are removed first
+    (:func:`remove_stale_replay_dirs`)."""
     remove_stale_replay_dirs()
     with tempfile.TemporaryDirectory(prefix=f"{_TMP_PREFIX}{os.getpid()}-") as tmp:
-        for t in needs_tmp:
-            t["root_dir"] = tmp
-        try:
-            return asyncio.run(replay(trace, config, progress))
-        finally:
-            for t in needs_tmp:
-                t.pop("root_dir", None)
+        yield tmp

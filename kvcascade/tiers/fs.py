@@ -855,6 +855,18 @@ class FileSystemTier(SecondaryTier):
         self._record(key, size, reserved=False)
         return len(payload)
 
+    def _remove(self, keys: Sequence[bytes]) -> list[bool]:
+        """Unlink each key's block file and drop it from the size index."""
+        present = []
+        for key in keys:
+            try:
+                os.unlink(self.path_of(key))
+                present.append(True)
+            except FileNotFoundError:
+                present.append(False)
+            self._forget(key)
+        return present
+
     def _probe(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key's block file is a regular file; a key found gone leaves the index."""
         found = []
@@ -988,9 +1000,25 @@ def fs_tier_from_config(
     ``io_threads`` when that is absent.
 
     Raises:
-        ConfigError: missing ``root_dir``, an unknown key (named in the message), or a value of
-            the wrong type or range.
+        ConfigError: see :func:`check_fs_tier_config`.
         OSError: the directory cannot be created.
+    """
+    args = check_fs_tier_config(cfg, host.block_bytes)
+    if cfg.get("cache_salt"):
+        mapper = mapper.with_salt(cfg["cache_salt"])
+    return FileSystemTier(host, args.pop("root_dir"), mapper, **args)
+
+
+def check_fs_tier_config(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any]:
+    """Validate an fs tier entry without touching the disk (``CascadeConfig`` calls it at
+    construction, so a bad value fails there, not at ``open_cascade``).
+
+    Returns:
+        the :class:`FileSystemTier` keyword arguments (``root_dir`` included).
+
+    Raises:
+        ConfigError: missing ``root_dir``, an unknown key (named in the message), or a value of
+            the wrong type or range (``io_threads=0``, ``max_bytes=-5``, …).
     """
     unknown = sorted(set(cfg) - _CONFIG_KEYS)
     if unknown:
@@ -1015,21 +1043,17 @@ def fs_tier_from_config(
     for key in ("cache_salt", "name"):
         if key in cfg and not isinstance(cfg[key], str):
             raise ConfigError(f"fs tier {key} must be a string, got {cfg[key]!r}")
-    if cfg.get("cache_salt"):
-        mapper = mapper.with_salt(cfg["cache_salt"])
     max_bytes = integer("max_bytes", 0) if "max_bytes" in cfg else None
-    if max_bytes is not None and max_bytes < file_size(host.block_bytes):
+    if max_bytes is not None and max_bytes < file_size(block_bytes):
         raise ConfigError(
             f"fs tier max_bytes={max_bytes} cannot hold one block file "
-            f"({file_size(host.block_bytes)} B for {host.block_bytes} B blocks)"
+            f"({file_size(block_bytes)} B for {block_bytes} B blocks)"
         )
-    return FileSystemTier(
-        host,
-        root,
-        mapper,
-        name=cfg.get("name", "fs"),
-        io_threads=threads,
-        io_timeout_s=float(timeout),
-        max_queued_jobs=integer("max_queued_jobs", 1024),
-        max_bytes=max_bytes,
-    )
+    return {
+        "root_dir": root,
+        "name": cfg.get("name", "fs"),
+        "io_threads": threads,
+        "io_timeout_s": float(timeout),
+        "max_queued_jobs": integer("max_queued_jobs", 1024),
+        "max_bytes": max_bytes,
+    }
