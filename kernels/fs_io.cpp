@@ -17,7 +17,10 @@
 // (block_path: kvcascade.tiers._file_mapper.FileMapper.relative_path after the namespace; the tier
 // checks the two agree before it uses this path).
 //   fs_store_write   per opened block: xxh3 of the payload, header, write header + span
-//   fs_store_commit  per opened block: close, rename the temp file onto <path>
+//   fs_store_commit  per opened block: with mtime_ns > 0 set its mtime (block i: mtime_ns + i, so
+//                    that a restart orders the files as written:
+//                    kvcascade.tiers.fs.FileSystemTier._stamps), close, rename the temp file onto
+//                    <path>
 // Without the existence check in fs_store_open (the tier keeps no size index), commit renames
 // with RENAME_NOREPLACE instead: an existing file is kept and the temp file dropped, the same
 // outcome as checking first, without a lookup of every new name before its write (a lookup
@@ -429,7 +432,7 @@ int commit_one(int dir_fd, const std::string& tmp, const std::string& path, bool
 
 BatchResult fs_store_commit(const Values& fds, const std::string& prefix,
                             const std::vector<std::string>& keys, const std::string& suffix,
-                            bool noreplace) {
+                            bool noreplace, int64_t mtime_ns) {
   std::string error = check_pairs("fs_store_commit", fds, keys);
   if (!error.empty()) return {{}, kBadValue, std::move(error)};
   Values done;
@@ -446,6 +449,13 @@ BatchResult fs_store_commit(const Values& fds, const std::string& prefix,
     const char* call = "close";
     int err = 0;
     bool existed = false;
+    if (mtime_ns > 0) {
+      const int64_t stamp = mtime_ns + static_cast<int64_t>(i);
+      const struct timespec at = {static_cast<time_t>(stamp / 1000000000),
+                                  static_cast<long>(stamp % 1000000000)};
+      const struct timespec times[2] = {at, at};
+      futimens(static_cast<int>(fds[i]), times);  // refused: the file keeps its own mtime
+    }
     if (close(static_cast<int>(fds[i])) != 0 && errno != EINTR) {  // EINTR: closed anyway
       err = errno;
     } else {
@@ -621,10 +631,11 @@ void kvcascade_register_fs_io(pybind11::module_& m) {
         pybind11::arg("payload_bytes"), pybind11::arg("span_bytes"), pybind11::arg("version"),
         pybind11::arg("piece_bytes"));
   m.def("fs_store_commit", &fs_store_commit,
-        "Per opened block: close, rename <path><suffix> onto <path> (noreplace: keep an "
-        "existing <path>, value FS_EXISTED); returns (values, error kind, message)",
+        "Per opened block: with mtime_ns > 0 set its mtime and atime to mtime_ns + its index "
+        "(ns since the epoch), close, rename <path><suffix> onto <path> (noreplace: keep an existing <path>, "
+        "value FS_EXISTED); returns (values, error kind, message)",
         pybind11::arg("fds"), pybind11::arg("prefix"), pybind11::arg("keys"),
-        pybind11::arg("suffix"), pybind11::arg("noreplace"));
+        pybind11::arg("suffix"), pybind11::arg("noreplace"), pybind11::arg("mtime_ns"));
   m.def("fs_store_abort", &fs_store_abort,
         "Close the fds (>= 0) and unlink their temp files; returns (unlink errno per block, "
         "error kind, message)",

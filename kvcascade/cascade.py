@@ -114,6 +114,10 @@ class Cascade:
             self.primary, self.tiers, pending_write_timeout_s=config.pending_write_timeout_s
         )
         self._store_waits: dict[bytes, asyncio.Future[None]] = {}
+        # GPU block id → the load filling it: a store from that block waits for it first.
+        self._loading: dict[int, asyncio.Future[None]] = {}
+        self._opened = False
+        self._drops_logged = False
         self.counters: collections.Counter[str] = collections.Counter()
 
     # -- awaitable API ---------------------------------------------------------------------
@@ -168,13 +172,30 @@ class Cascade:
         Flushes the queued promotions and awaits every write the keys depend on (promotions and
         GPU→CPU stores, also other requests'), then copies the leading run of keys that are
         ready in the primary tier. Keys after the first failure are released and reported in
-        ``failed_keys``; a failed key is never reported as loaded. Cancelled while copying, the
-        copy finishes before the pins are released.
+        ``failed_keys``; a failed key is never reported as loaded (a failed CPU→GPU copy counts
+        its keys in ``counters["load_failed_blocks"]``). Cancelled while copying, the copy
+        finishes before the pins are released. Until it returns, :meth:`store` from any of
+        ``gpu_ids`` waits for it (a store never publishes the bytes a load is replacing).
 
         Raises:
             TypeError / ValueError: see :func:`_check_request` (bad keys, ctx or GPU ids).
         """
         self._check(keys, ctx, gpu_ids)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        targets = [int(i) for i in gpu_ids]
+        for gpu_id in targets:
+            self._loading[gpu_id] = done
+        try:
+            return await self._load(keys, ctx, gpu_ids)
+        finally:
+            for gpu_id in targets:
+                if self._loading.get(gpu_id) is done:
+                    del self._loading[gpu_id]
+            done.set_result(None)
+
+    async def _load(
+        self, keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Sequence[int]
+    ) -> LoadResult:
         coord = self.coordinator
         coord.on_schedule_end()
         waits: list[asyncio.Future[Any]] = coord.job_futures(promotions=True, keys=keys)
@@ -201,6 +222,7 @@ class Cascade:
             coord.complete_load(ready, ctx)
         if not transfer.success:
             log.warning("device load failed: %s", transfer.error)
+            self.counters["load_failed_blocks"] += len(ready)
             return LoadResult(0, failed_keys=list(keys))
         return LoadResult(len(ready), transfer.bytes, transfer.seconds, list(keys[len(ready) :]))
 
@@ -209,26 +231,37 @@ class Cascade:
     ) -> StoreResult:
         """Offload GPU blocks ``gpu_ids[i]`` under ``keys[i]`` (GPU → CPU, then the cascade).
 
-        Keys already present (or being written) are skipped. When the primary tier has no
-        evictable room, waits for in-flight cascades to release their pins and tries once more;
-        keys that still do not fit are dropped (counted). The cascade to secondary tiers runs in
-        the background. Cancelled while copying, the copy finishes and its outcome is recorded.
+        A source block that an unfinished :meth:`load` is filling is copied only after that load
+        returns. Keys already present (or being written) are skipped. When the primary tier has
+        no evictable room, waits for in-flight cascades to release their pins and tries once
+        more; then the leading keys that fit are stored and the rest dropped (counted in
+        ``counters["store_dropped_blocks"]`` and in ``StoreResult.dropped``; the first drop is
+        logged as a warning). The cascade to secondary tiers
+        runs in the background. Cancelled while copying, the copy finishes and its outcome is
+        recorded.
 
         Raises:
             TypeError / ValueError: see :func:`_check_request` (bad keys, ctx or GPU ids).
         """
         self._check(keys, ctx, gpu_ids)
+        while loads := {id(f): f for i in gpu_ids if (f := self._loading.get(int(i)))}:
+            await asyncio.wait(loads.values())
         coord = self.coordinator
         out = coord.prepare_store(keys, ctx)
         if out is None and (cascades := coord.job_futures(promotions=False)):
             await asyncio.wait(cascades)
             coord.poll_now()
             out = coord.prepare_store(keys, ctx)
+        dropped = 0
+        if out is None:  # store the leading part that fits; the rest is dropped
+            fits = self._fitting_prefix(keys)
+            out = coord.prepare_store(keys[:fits], ctx) if fits else None
+            dropped = len(keys) - (fits if out is not None else 0)
+            self._count_dropped(dropped, len(keys), "the CPU tier has no evictable room")
         if out is None:
-            self.counters["store_dropped_blocks"] += len(keys)
-            return StoreResult(dropped=len(keys))
+            return StoreResult(dropped=dropped)
         if not out.keys_to_store:
-            return StoreResult()
+            return StoreResult(dropped=dropped)
         index = {k: i for i, k in enumerate(keys)}
         src = np.asarray([gpu_ids[index[k]] for k in out.keys_to_store], dtype=np.int64)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -246,8 +279,35 @@ class Cascade:
         if not transfer.success:
             log.warning("device store failed: %s", transfer.error)
             self.counters["store_dropped_blocks"] += len(out.keys_to_store)
-            return StoreResult(dropped=len(out.keys_to_store))
-        return StoreResult(out.keys_to_store, 0, transfer.bytes)
+            return StoreResult(dropped=dropped + len(out.keys_to_store))
+        return StoreResult(out.keys_to_store, dropped, transfer.bytes)
+
+    def _fitting_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the primary tier can take now: their new keys fit in its
+        free slots plus the idle blocks that are not among them (those the store protects)."""
+        primary = self.primary
+        room = primary.num_free + primary.num_evictable
+        for i, key in enumerate(keys):
+            block = primary.get_block(key)
+            if block is None or block.ref_cnt == 0:  # a new slot, or a protected idle block
+                room -= 1
+                if room < 0:
+                    return i
+        return len(keys)
+
+    def _count_dropped(self, dropped: int, asked: int, why: str) -> None:
+        """Count dropped store keys; log the first drop as a warning, later ones at debug."""
+        if not dropped:
+            return
+        self.counters["store_dropped_blocks"] += dropped
+        (log.debug if self._drops_logged else log.warning)(
+            "kvcascade: store dropped %d of %d keys: %s (counted in "
+            "counters['store_dropped_blocks']; later drops are logged at debug level)",
+            dropped,
+            asked,
+            why,
+        )
+        self._drops_logged = True
 
     def touch(self, keys: Sequence[bytes], ctx: ReqContext) -> None:
         """Record that a request reads ``keys`` — every block of its prompt, cached or not, in
@@ -293,6 +353,8 @@ class Cascade:
         """:func:`_check_request`, plus: the cascade is open and every GPU id is a block.
 
         Raises:
+            RuntimeError: the cascade was never opened (built directly, not by
+                :func:`open_cascade`: its tier actors do not run).
             TierUnavailableError: the cascade was closed (its ``async with`` ended).
             TypeError / ValueError: see :func:`_check_request`; a GPU id outside
                 ``[0, gpu_blocks)``, or one GPU id given for two keys (one key's KV would be
@@ -300,6 +362,10 @@ class Cascade:
         """
         if self._closed:
             raise TierUnavailableError("the cascade is closed")
+        if not self._opened:
+            raise RuntimeError(
+                "the cascade was not opened: use `async with kvcascade.open_cascade(config)`"
+            )
         _check_request(keys, ctx, gpu_ids)
         if gpu_ids is not None and len(gpu_ids):
             n = self.device.kv.shape[0]
@@ -319,8 +385,10 @@ def _check_request(keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Any = None) 
         TypeError: ``keys`` is not a sequence of ``bytes`` (a single key, str or int keys),
             ``ctx`` is not a :class:`ReqContext`, ``gpu_ids`` is not a list, tuple or numpy
             array (a set has no order, a generator no length), or a GPU id is not an integer.
-        ValueError: ``keys`` and ``gpu_ids`` differ in length, or a key is too short to be an
-            offload key (block hash + 4-byte group index, :func:`kvcascade.make_offload_key`).
+        ValueError: ``keys`` and ``gpu_ids`` differ in length, a key is too short to be an
+            offload key (block hash + 4-byte group index, :func:`kvcascade.make_offload_key`),
+            or a key is given twice (a prefix never repeats a chained block hash; a repeated
+            key would be pinned once and unpinned twice, LMCache #2954).
     """
     if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Sequence):
         raise TypeError(f"keys must be a sequence of offload keys (bytes), got {keys!r:.80}")
@@ -332,6 +400,9 @@ def _check_request(keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Any = None) 
                 f"offload key too short ({len(key)} bytes: {key!r:.40}); build keys with "
                 "kvcascade.make_offload_key(block_hash, group_idx)"
             )
+    if len(set(keys)) < len(keys):
+        repeated = [k for k, n in collections.Counter(keys).items() if n > 1]
+        raise ValueError(f"offload keys given more than once: {repeated[:4]!r:.200}")
     _check_ctx(ctx)
     if gpu_ids is None:
         return
@@ -375,20 +446,42 @@ async def start_tier_actors(tiers: Sequence[SecondaryTier]) -> list[asyncio.Task
     Returns the actor tasks, for :func:`stop_tier_actors`.
 
     Raises:
-        whatever an actor's start-up raised (the actors already started keep running: stop them
-        with :func:`stop_tier_actors`).
+        whatever an actor's start-up raised, after the actors already started were stopped
+        (closed and awaited, bounded by ``SHUTDOWN_TIMEOUT_S``): a failed start leaves nothing
+        running.
     """
     actors: list[asyncio.Task[None]] = []
-    for tier in tiers:
-        started = asyncio.Event()
-        actor = asyncio.create_task(tier.run(started.set), name=f"kvcascade-{tier.name}")
-        actors.append(actor)
-        ready = asyncio.create_task(started.wait())
-        await asyncio.wait([actor, ready], return_when=asyncio.FIRST_COMPLETED)
-        ready.cancel()
-        if actor.done():
-            actor.result()  # the actor failed to start: raise its error
+    try:
+        for tier in tiers:
+            started = asyncio.Event()
+            actor = asyncio.create_task(tier.run(started.set), name=f"kvcascade-{tier.name}")
+            actors.append(actor)
+            ready = asyncio.create_task(started.wait())
+            try:
+                await asyncio.wait([actor, ready], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                ready.cancel()
+            if actor.done():
+                actor.result()  # the actor failed to start: raise its error
+    except BaseException:
+        for tier in tiers[: len(actors)]:
+            tier.close()
+        await asyncio.shield(_join_actors(actors))
+        raise
     return actors
+
+
+async def _join_actors(actors: Sequence[asyncio.Task[None]]) -> None:
+    """Wait for stopped actors, bounded by ``SHUTDOWN_TIMEOUT_S`` (then cancel them); log the
+    errors of those that failed. Never raises."""
+    if not actors:
+        return
+    done, pending = await asyncio.wait(actors, timeout=SHUTDOWN_TIMEOUT_S)
+    for actor in pending:
+        actor.cancel()
+    for actor in done:
+        if not actor.cancelled() and actor.exception() is not None:
+            log.error("tier actor %s failed: %r", actor.get_name(), actor.exception())
 
 
 async def stop_tier_actors(
@@ -404,14 +497,7 @@ async def stop_tier_actors(
         except TimeoutError:
             log.warning("kvcascade: tiers did not drain within %.0f s", SHUTDOWN_TIMEOUT_S)
         coordinator.shutdown()
-    if not actors:
-        return
-    done, pending = await asyncio.wait(actors, timeout=SHUTDOWN_TIMEOUT_S)
-    for actor in pending:
-        actor.cancel()
-    for actor in done:
-        if not actor.cancelled() and actor.exception() is not None:
-            log.error("tier actor %s failed: %r", actor.get_name(), actor.exception())
+    await _join_actors(actors)
 
 
 @contextlib.asynccontextmanager
@@ -427,9 +513,14 @@ async def open_cascade(config: CascadeConfig) -> AsyncIterator[Cascade]:
         OSError: a tier's directory cannot be created.
     """
     cascade = Cascade(config)
-    actors: list[asyncio.Task[None]] = []
     try:
         actors = await start_tier_actors(cascade.tiers)
+    except BaseException:
+        cascade.coordinator.shutdown()
+        cascade._release()
+        raise
+    cascade._opened = True
+    try:
         yield cascade
     finally:
         await stop_tier_actors(cascade.coordinator, actors)

@@ -66,7 +66,12 @@ class _RequestState:
     pending_primary_stores: int = 0
     is_finished: bool = False
     request_level_tiers: set[int] = field(default_factory=set)
-    lookup_pins: set[bytes] = field(default_factory=set)
+    # Keys this request holds one read pin on (taken by ``lookup`` or by a landed promotion),
+    # in the order taken: released in that order, so eviction order never depends on hashing.
+    lookup_pins: dict[bytes, None] = field(default_factory=dict)
+    # Keys offered for the request-level tiers while another writer still wrote them: sent
+    # once that write lands (dropped if it fails).
+    awaiting_writes: dict[bytes, None] = field(default_factory=dict)
 
 
 @dataclass
@@ -107,6 +112,8 @@ class TieringCoordinator:
         self.tiers = list(tiers)
         self.pending_write_timeout_s = pending_write_timeout_s
         self.metrics = TieringMetrics([t.name for t in self.tiers], registry)
+        self.metrics.primary_write_usage.set_function(lambda: self._primary_usage(False))
+        self.metrics.primary_read_usage.set_function(lambda: self._primary_usage(True))
         self._job_counter = 0
         self._jobs: dict[int, tuple[TransferJob, int, asyncio.Future[JobResult]]] = {}
         self._pending_promotions: list[dict[str, _PendingPromotion]] = [{} for _ in self.tiers]
@@ -120,6 +127,8 @@ class TieringCoordinator:
         # Jobs failed at their deadline whose thread has not returned:
         # job_id → (keys still pinned, quarantined blocks), released when the thread returns.
         self._abandoned: dict[int, tuple[list[bytes], list[BlockStatus]]] = {}
+        # Keys still being written → the requests waiting to send them to request-level tiers.
+        self._awaiting: dict[bytes, list[_RequestState]] = {}
         self._event_signal: asyncio.Event | None = None
         self._closed = False
         # A learning primary policy keeps its state beside the fs tier (docs/policies.md).
@@ -135,16 +144,24 @@ class TieringCoordinator:
         self._polled_this_step = True
         for tier in self.tiers:
             for result in tier.get_finished_jobs():
-                self._apply(result)
+                try:
+                    self._apply(result)
+                except Exception:  # a broken invariant must not surface in the polling caller
+                    log.exception("kvcascade: applying the result of job %d failed", result.job_id)
         if self.pending_write_timeout_s is not None:
             self._expire_writes()
+
+    def _primary_usage(self, reading: bool) -> float:
+        """Fraction of primary slots being written (``reading=False``) or pinned by reads, read
+        live at every scrape."""
         primary = self.primary
-        if primary.num_blocks:
-            n = primary.num_blocks
-            writing = primary.num_write_pending
-            reading = n - primary.num_free - primary.num_evictable - writing
-            self.metrics.primary_write_usage.set(writing / n)
-            self.metrics.primary_read_usage.set(max(reading, 0) / n)
+        n = primary.num_blocks
+        if not n:
+            return 0.0
+        writing = primary.num_write_pending
+        if not reading:
+            return writing / n
+        return max(n - primary.num_free - primary.num_evictable - writing, 0) / n
 
     def poll_now(self) -> None:
         """Apply every finished job now, outside the once-per-step gate (asyncio callers)."""
@@ -177,12 +194,29 @@ class TieringCoordinator:
         failed = [k for k in job.keys if k not in set(ok) and self._finish_write(k, job.job_id)]
         if ok:
             self.primary.complete_store(ok, job.req_context, success=True)
+            self._hold_for_reader(ok, job.req_context)
         if failed:
             self.primary.complete_store(failed, job.req_context, success=False)
+        self._send_awaited_writes([*ok, *failed])
         if not result.success:
             self.metrics.promotion_job_failures.labels(label).inc()
         self.metrics.read_bytes.labels(label).inc(result.transfer_size)
         self.metrics.read_seconds.labels(label).observe(result.transfer_time)
+
+    def _hold_for_reader(self, keys: Sequence[bytes], ctx: ReqContext | None) -> None:
+        """A promotion landed: pin its blocks for the request that asked for them until it reads
+        them (``prepare_load`` takes the pin over) or finishes, so another request's promotions
+        cannot evict them first (vLLM #49902)."""
+        state = self._req_state.get(ctx.req_id) if ctx is not None else None
+        if state is None or state.is_finished:
+            return
+        fresh = [k for k in dict.fromkeys(keys) if k not in state.lookup_pins]
+        fresh = [
+            k for k in fresh if (b := self.primary.get_block(k)) is not None and b.ref_cnt >= 0
+        ]
+        if fresh:
+            self.primary.prepare_load(fresh, ctx)
+            state.lookup_pins.update(dict.fromkeys(fresh))
 
     def _abandon(self, job: TransferJob, label: str) -> None:
         """A job failed at its deadline while its thread may still touch its primary rows: a
@@ -245,6 +279,7 @@ class TieringCoordinator:
                 self._expired.setdefault(key, []).append((req_id, job_id, block))
                 self.metrics.expired_writes.inc()
                 log.warning("a write into the primary tier passed its deadline; key is now a miss")
+        self._send_awaited_writes(late)
 
     # -- lookups and promotion ------------------------------------------------------------
     def lookup(
@@ -271,7 +306,7 @@ class TieringCoordinator:
             state = self._state(ctx)
             if key not in state.lookup_pins:
                 self.primary.prepare_load([key], ctx)
-                state.lookup_pins.add(key)
+                state.lookup_pins[key] = None
             return _HIT
         if result is _PENDING:
             return _PENDING
@@ -296,15 +331,25 @@ class TieringCoordinator:
         if out is None:
             self.metrics.promotion_allocation_failures.inc()
             return False
+        self._state(ctx)  # the landed promotion is held for this request (_hold_for_reader)
         pending = self._pending_promotions[tier_idx].setdefault(ctx.req_id, _PendingPromotion(ctx))
         pending.keys.extend(out.keys_to_store)
         pending.slots.extend(int(s) for s in out.store_spec.block_ids)  # type: ignore[attr-defined]
         return True
 
-    def _flush_pending_promotions(self) -> list[asyncio.Future[JobResult]]:
+    def _flush_pending_promotions(
+        self, req_id: str | None = None
+    ) -> list[asyncio.Future[JobResult]]:
+        """Submit the queued promotions (of every request, or of ``req_id`` only)."""
         futures = []
         for idx, per_req in enumerate(self._pending_promotions):
-            for pending in per_req.values():
+            if req_id is not None:
+                own = per_req.pop(req_id, None)
+                queued = [own] if own is not None else []
+            else:
+                queued = list(per_req.values())
+                per_req.clear()
+            for pending in queued:
                 job = TransferJob(
                     self._next_job_id(),
                     pending.keys,
@@ -314,7 +359,6 @@ class TieringCoordinator:
                 )
                 self._start_write(job.keys, pending.ctx.req_id, job.job_id)
                 futures.append(self._submit(idx, job))
-            per_req.clear()
         return futures
 
     def _next_job_id(self) -> int:
@@ -345,7 +389,7 @@ class TieringCoordinator:
             BlockUnavailableError: a key is not readable now; nothing was pinned.
         """
         state = self._req_state.get(ctx.req_id)
-        pins = state.lookup_pins if state is not None else set()
+        pins = state.lookup_pins if state is not None else {}
         missing = [
             k
             for k in keys
@@ -353,9 +397,12 @@ class TieringCoordinator:
         ]
         if missing:
             raise BlockUnavailableError(missing)
-        fresh = [k for k in keys if k not in pins]
+        fresh = []  # one pin per use: a key given twice takes the lookup's pin over once
         for key in keys:
-            pins.discard(key)
+            if key in pins:
+                del pins[key]
+            else:
+                fresh.append(key)
         if fresh:
             self.primary.prepare_load(fresh, ctx)
         return CPULoadStoreSpec([self.primary.get_block(k).block_id for k in keys])  # type: ignore[union-attr]
@@ -375,7 +422,8 @@ class TieringCoordinator:
         """Allocate primary slots for a GPU→CPU store (spec §3.7); None when full.
 
         For a request with request-level tiers, keys already readable in the primary are sent
-        to those tiers now (one store job per tier); keys being written are skipped. Nothing new
+        to those tiers now (one store job per tier); keys another writer is still writing are
+        sent once that write lands, and the request is finalized only after. Nothing new
         is stored when the policy refuses the request's new blocks (``turn_aware``'s admission
         control) or, for policies that do not read hints, when it is hinted
         ``continues=False`` (:func:`kvcascade.hints.admits_new_blocks`).
@@ -393,16 +441,42 @@ class TieringCoordinator:
             self._start_write(out.keys_to_store, ctx.req_id, None)
         if state.request_level_tiers:
             new = set(out.keys_to_store)
-            ready = [
-                k
-                for k in keys
-                if k not in new and (b := self.primary.get_block(k)) is not None and b.ref_cnt >= 0
-            ]
+            ready = []
+            for k in dict.fromkeys(keys):
+                block = self.primary.get_block(k)
+                if k in new or block is None:
+                    continue
+                if block.ref_cnt >= 0:
+                    ready.append(k)
+                elif k not in state.awaiting_writes:
+                    state.awaiting_writes[k] = None
+                    self._awaiting.setdefault(k, []).append(state)
             if ready:
-                for idx in sorted(state.request_level_tiers):
-                    self.cascade(ready, ctx, idx)
+                self._send_to_request_level_tiers(state, ready)
         self._signal_events()
         return out
+
+    def _send_to_request_level_tiers(self, state: _RequestState, keys: list[bytes]) -> None:
+        for idx in sorted(state.request_level_tiers):
+            self.cascade(keys, state.ctx, idx)
+
+    def _send_awaited_writes(self, keys: Collection[bytes]) -> None:
+        """Writes of ``keys`` landed, failed or expired: send the ready ones to the
+        request-level tiers of every request that offered them meanwhile; forget the others."""
+        if not self._awaiting:
+            return
+        affected: dict[str, tuple[_RequestState, list[bytes]]] = {}
+        for key in keys:
+            for state in self._awaiting.pop(key, ()):
+                del state.awaiting_writes[key]
+                ready = affected.setdefault(state.ctx.req_id, (state, []))[1]
+                block = self.primary.get_block(key)
+                if block is not None and block.ref_cnt >= 0:
+                    ready.append(key)
+        for state, ready in affected.values():
+            if ready:
+                self._send_to_request_level_tiers(state, ready)
+            self._maybe_finalize(state)
 
     def complete_store(
         self, keys: Collection[bytes], ctx: ReqContext, success: bool = True
@@ -421,6 +495,7 @@ class TieringCoordinator:
             ]
             for idx in range(len(self.tiers)):
                 self.cascade(ready, ctx, idx)
+        self._send_awaited_writes(keys)
         state = self._req_state.get(ctx.req_id)
         if state is not None and state.pending_primary_stores > 0:
             state.pending_primary_stores -= 1
@@ -454,12 +529,16 @@ class TieringCoordinator:
         return RequestOffloadingContext()
 
     def on_request_finished(self, ctx: ReqContext) -> None:
-        """No more submits for this request: release its lookup pins; tiers hear of it once
-        its pending stores are done (spec §3.9). Also right for a cancelled request."""
+        """No more submits for this request: release its read pins and submit its queued
+        promotions now (their slots are reserved; landed, they serve later requests, and a
+        reservation never outlives its request — vLLM PR #52571); tiers hear of it once its
+        pending stores are done. Also right for an aborted or cancelled request.
+        """
         self.primary.on_request_finished(ctx)
         state = self._state(ctx)
-        self.release_lookup_pins(ctx)
         state.is_finished = True
+        self.release_lookup_pins(ctx)
+        self._flush_pending_promotions(ctx.req_id)
         self._maybe_finalize(state)
 
     def release_lookup_pins(self, ctx: ReqContext, keys: Collection[bytes] | None = None) -> None:
@@ -468,9 +547,10 @@ class TieringCoordinator:
         if state is None or not state.lookup_pins:
             return
         pinned = state.lookup_pins
-        drop = [k for k in (pinned if keys is None else keys) if k in pinned]
+        drop = [k for k in (pinned if keys is None else dict.fromkeys(keys)) if k in pinned]
         if drop:
-            pinned.difference_update(drop)
+            for key in drop:
+                del pinned[key]
             self.primary.complete_load(drop, ctx)
 
     def promotion_source(self, key: bytes) -> str | None:
@@ -484,7 +564,7 @@ class TieringCoordinator:
         return None
 
     def _maybe_finalize(self, state: _RequestState) -> None:
-        if state.is_finished and state.pending_primary_stores == 0:
+        if state.is_finished and state.pending_primary_stores == 0 and not state.awaiting_writes:
             for tier in self.tiers:
                 tier.on_request_finished(state.ctx)
             self._req_state.pop(state.ctx.req_id, None)
@@ -506,8 +586,12 @@ class TieringCoordinator:
         return futures
 
     def has_pending_work(self) -> bool:
-        """True while any primary↔secondary job is in flight or a tier reports work."""
-        return bool(self._jobs) or any(t.has_pending_work() for t in self.tiers)
+        """True while any primary↔secondary job is queued or in flight, or a tier reports work."""
+        return (
+            bool(self._jobs)
+            or any(self._pending_promotions)
+            or any(t.has_pending_work() for t in self.tiers)
+        )
 
     def job_futures(
         self, *, promotions: bool | None = None, keys: Collection[bytes] | None = None
@@ -567,9 +651,11 @@ class TieringCoordinator:
         self._poll(force=True)
         for per_req in self._pending_promotions:
             per_req.clear()
+        self._awaiting.clear()
         for state in list(self._req_state.values()):
             state.pending_primary_stores = 0
             state.lookup_pins.clear()
+            state.awaiting_writes.clear()
             self._maybe_finalize(state)
         self._writes.clear()
         # Rows an abandoned thread or an expired writer may still touch stay out of use.

@@ -338,6 +338,7 @@ class OffloadScheduler:
         self._stale_job_threshold = 0
         self._fence: dict[int, set[int]] = {}  # GPU block id → store jobs still reading it
         self._being_loaded: set[bytes] = set()
+        self._being_stored: dict[bytes, int] = {}  # key → in-flight store jobs writing it
         self._step_loads: dict[int, TransferSpec] = {}
         self._step_flush: set[int] = set()
         self._step_allocated: set[int] = set()
@@ -531,13 +532,18 @@ class OffloadScheduler:
             req_id: the request.
             group_blocks: per group, the request's blocks as ``(block_id, has_hash)``; the null
                 block has id 0; ``has_hash`` is True for blocks already computed on the GPU.
-            num_external_tokens: tokens to load (0: nothing; the call is then ignored).
+            num_external_tokens: tokens to load (0: nothing to load; the blocks are still
+                recorded as re-allocated, so stores reading them are flushed this step).
 
         Raises:
             RuntimeError: the request already has transfers in flight (broken invariant: the
                 lookup defers such requests).
         """
         if num_external_tokens == 0:
+            # Blocks handed to this request (by another connector in front, or as fresh
+            # blocks) may be the sources of stores still in flight: flush those (vLLM #46951).
+            for blocks in group_blocks:
+                self._step_allocated.update(bid for bid, _ in blocks if bid)
             return
         st = self._reqs[req_id]
         if st.jobs:
@@ -590,7 +596,9 @@ class OffloadScheduler:
         ends: dict[str, list[int]] = {}
         for sched in step.scheduled:
             st = self._reqs.get(sched.req_id)
-            if st is None:
+            if st is None:  # not ours, but its new blocks may be the sources of our stores
+                for new in sched.new_block_ids or ():
+                    self._step_allocated.update(b for b in new if b)
                 continue
             self._update_keys(st)
             if sched.resumed:
@@ -670,11 +678,12 @@ class OffloadScheduler:
                 self.stats.allocation_failures += 1
                 log.warning("no room in the offload cache for %d chunks of %s", len(keys), req_id)
                 continue
+            accepted = set(result.keys_to_store)
+            reached = self._store_reach(st, candidates, storable, accepted)
             if not result.keys_to_store:
-                self._advance(st, storable)
+                self._advance(st, reached)
                 continue
             self._touch(st)
-            accepted = set(result.keys_to_store)
             gpu_ids: list[int] = []
             sizes: list[int] = []
             indices: list[int] = []
@@ -696,8 +705,10 @@ class OffloadScheduler:
                 sizes.append(len(group_ids))
                 indices.append(first_index)
                 (deferred if cfg.groups[g].window_chunks is None else fenced).extend(group_ids)
-            self._advance(st, storable)
+            self._advance(st, reached)
             job_id, job = self._new_job(st, list(result.keys_to_store), is_store=True)
+            for key in job.keys:
+                self._being_stored[key] = self._being_stored.get(key, 0) + 1
             job.deferred_fence = deferred
             self._register_fence(job_id, job, fenced)
             if st.finished_signaled or st.req.finished:
@@ -710,6 +721,25 @@ class OffloadScheduler:
             self.stats.stores += 1
             self.stats.stored_chunks += len(result.keys_to_store)
         return out
+
+    def _store_reach(
+        self,
+        st: _ReqState,
+        candidates: Sequence[Sequence[int]],
+        storable: Sequence[int],
+        accepted: Collection[bytes],
+    ) -> list[int]:
+        """Per group, how far the store cursor may advance: up to ``storable``, but never past
+        a chunk skipped because another request's store of it is still in flight — if that
+        write fails, this request stores the chunk itself next step (vLLM #54415)."""
+        reach = list(storable)
+        for g, chunks in enumerate(candidates):
+            keys = st.groups[g].keys
+            for c in chunks:
+                if keys[c] not in accepted and keys[c] in self._being_stored:
+                    reach[g] = c
+                    break
+        return reach
 
     @staticmethod
     def _advance(st: _ReqState, storable: Sequence[int]) -> None:
@@ -773,6 +803,11 @@ class OffloadScheduler:
             st = self._reqs.get(job.req_id)
             ctx = st.ctx if st is not None else ReqContext(job.req_id)
             if job.is_store:
+                for key in job.keys:
+                    if self._being_stored[key] == 1:
+                        del self._being_stored[key]
+                    else:
+                        self._being_stored[key] -= 1
                 self.manager.complete_store(job.keys, ctx, success=not job.failed)
                 self.stats.failed_stores += job.failed
             else:
@@ -859,3 +894,4 @@ class OffloadScheduler:
         self._jobs.clear()
         self._fence.clear()
         self._being_loaded.clear()
+        self._being_stored.clear()

@@ -4,8 +4,9 @@ small fault-injecting HTTP proxy in front of it.
 Nothing here mocks botocore: the tier speaks HTTP to a separate process (moto's server mode), as
 it would to MinIO or AWS. The proxy (asyncio, 127.0.0.1 only, bounded in connections and body
 size) forwards each request on a fresh upstream connection and can, per matching request, answer
-``503 SlowDown``, answer another error, delay the response, reset the connection half way
-through the response body, or stall there.
+``503 SlowDown``, answer another error, hold the request back, drop the connection unanswered,
+delay the response, reset the connection half way through the response body, or stall there.
+:func:`blackhole` makes a port where connecting times out.
 """
 
 from __future__ import annotations
@@ -125,9 +126,12 @@ def bucket(moto: MotoServer) -> str:
 class Fault:
     """What the proxy does to requests accepted by ``match(method, target)``.
 
-    ``kind``: ``"slowdown"`` (503 SlowDown), ``"error"`` (500 InternalError), ``"delay"``
-    (``seconds`` before forwarding the response), ``"reset"`` (half the response body, then a
-    TCP reset), ``"stall"`` (half the response body, then silence until the client hangs up).
+    ``kind``: ``"slowdown"`` (503 SlowDown), ``"error"`` (500 InternalError), ``"hold"``
+    (``seconds`` before forwarding the request; a client hanging up meanwhile drops it, so the
+    server never sees it), ``"drop"`` (close the connection without an answer, the request
+    not forwarded), ``"delay"`` (``seconds`` before forwarding the response), ``"reset"`` (half
+    the response body, then a TCP reset), ``"stall"`` (half the response body, then silence
+    until the client hangs up).
     ``times``: how many matching requests it applies to (None: all).
     """
 
@@ -151,24 +155,25 @@ class FaultProxy:
     """HTTP/1.1 proxy on ``127.0.0.1`` forwarding to ``upstream_port`` with injected faults.
 
     Use as ``async with FaultProxy(port) as proxy``; ``proxy.endpoint`` is its URL and
-    ``proxy.faults`` the active faults (first match wins).
+    ``proxy.faults`` the active faults (first match wins). ``port``: the port to listen on
+    (0: a free one).
     """
 
-    def __init__(self, upstream_port: int) -> None:
+    def __init__(self, upstream_port: int, port: int = 0) -> None:
         self.upstream_port = upstream_port
         self.faults: list[Fault] = []
         self.requests: list[tuple[str, str]] = []
         self._server: asyncio.Server | None = None
         self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
         self._handlers: set[asyncio.Task[None]] = set()
-        self.port = 0
+        self.port = port
 
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     async def __aenter__(self) -> FaultProxy:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
@@ -238,6 +243,12 @@ class FaultProxy:
             )
             await writer.drain()
             return True
+        if fault is not None and fault.kind == "drop":
+            return False
+        if fault is not None and fault.kind == "hold":
+            with contextlib.suppress(asyncio.TimeoutError):
+                if not await asyncio.wait_for(reader.read(1), fault.seconds):
+                    return False  # the client hung up: the request is not forwarded
         kept = [h for h in headers if h.partition(":")[0].strip().lower() != "connection"]
         upstream = "\r\n".join([lines[0], *kept, "Connection: close", "", ""]).encode() + body
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
@@ -274,3 +285,34 @@ class FaultProxy:
         writer.write(out_head + resp_body)
         await writer.drain()
         return True
+
+
+@contextlib.contextmanager
+def blackhole(port: int) -> Iterator[None]:
+    """A listener on ``127.0.0.1:port`` whose accept queue is full and never accepted from, so a
+    new connection gets no answer to its SYN (Linux drops SYNs to a full queue) and a client's
+    connect times out, as towards an unreachable host.
+
+    Raises:
+        RuntimeError: the queue could not be filled (16 connections got through).
+    """
+    fillers: list[socket.socket] = []
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(0)
+        try:
+            for _ in range(16):
+                filler = socket.socket()
+                fillers.append(filler)
+                filler.settimeout(0.5)
+                try:
+                    filler.connect(("127.0.0.1", port))
+                except TimeoutError:
+                    break
+            else:
+                raise RuntimeError(f"the accept queue of port {port} did not fill")
+            yield
+        finally:
+            for filler in fillers:
+                filler.close()

@@ -502,3 +502,131 @@ async def test_lru_admission_rule_for_sessions_that_will_not_continue() -> None:
         going_on.set_state(kc.SessionHint(continues=True))
         assert coord.prepare_store([key(1)], going_on).keys_to_store == [key(1)]
         assert coord.prepare_store([key(4)], kc.ReqContext("plain")).keys_to_store == [key(4)]
+
+
+# -- issue #14: where the parts meet ----------------------------------------------------------
+async def test_a_key_given_twice_is_pinned_once_per_use() -> None:
+    """Defect 2 (LMCache #2954): lookup([K]) then prepare_load([K, K]) pins K once per use, so
+    unpinning both uses leaves the cascade's pin in place."""
+    async with tiering(num_blocks=2, num_tiers=1) as (coord, host, _tiers):
+        writer, reader = kc.ReqContext("w"), kc.ReqContext("r")
+        store(coord, writer, [key(1)], host)  # the cascade pins key 1 once
+        assert coord.lookup(key(1), reader) is R.HIT
+        coord.prepare_load([key(1), key(1)], reader)
+        assert coord.primary.get_block(key(1)).ref_cnt == 3
+        coord.complete_load([key(1), key(1)], reader)
+        assert coord.primary.get_block(key(1)).ref_cnt == 1  # the cascade's pin
+        await settle(coord)
+        coord.poll_now()  # the cascade's result is applied without a KeyError
+        assert coord.primary.get_block(key(1)).ref_cnt == 0
+
+
+async def test_a_broken_job_result_never_surfaces_in_the_polling_caller(caplog) -> None:
+    """Defect 2: if applying a finished job breaks an invariant (here: its pin was already
+    released), the error is logged; the unrelated caller whose hook polled gets its answer."""
+    async with tiering(num_blocks=2, num_tiers=1) as (coord, host, _tiers):
+        writer = kc.ReqContext("w")
+        store(coord, writer, [key(1)], host)
+        coord.primary.complete_load([key(1)])  # someone unpinned the cascade's pin
+        await settle(coord)
+        coord.on_schedule_end()
+        assert coord.lookup(key(2), kc.ReqContext("other"), verdicts={0: False}) is R.MISS
+        assert "applying the result of job" in caplog.text
+
+
+async def test_a_landed_promotion_is_kept_for_its_requester() -> None:
+    """Defect 3 (vLLM #49902): A's promotion lands; next step B's promotions cannot evict A's
+    landed, unread block; A then hits it."""
+    async with tiering(num_blocks=2, num_tiers=1) as (coord, host, tiers):
+        writer = kc.ReqContext("w")
+        store(coord, writer, [key(1), key(2)], host)
+        await settle(coord)
+        coord.on_schedule_end()
+        store(coord, writer, [key(3), key(4)], host)  # evicts keys 1 and 2 from the primary
+        await settle(coord)
+        coord.on_schedule_end()
+        coord.on_request_finished(writer)
+        a, b = kc.ReqContext("a"), kc.ReqContext("b")
+        found = {0: True}  # the secondary tier's probe verdict
+        assert coord.lookup(key(1), a, verdicts=found) is R.HIT_PENDING
+        coord.on_schedule_end()
+        await settle(coord)  # A's promotion landed
+        coord.on_schedule_end()
+        assert coord.lookup(key(2), b, verdicts=found) is R.HIT_PENDING  # the one other slot
+        assert coord.lookup(key(3), b, verdicts=found) is R.MISS  # key 1 is A's: no room
+        assert coord.lookup(key(1), a) is R.HIT
+        spec = coord.prepare_load([key(1)], a)
+        assert bytes(host.row(int(spec.block_ids[0]))) == bytes([1]) * 64
+        coord.complete_load([key(1)], a)
+        coord.on_request_finished(a)
+        assert coord.primary.get_block(key(1)).ref_cnt == 0
+        coord.on_request_finished(b)
+        await settle(coord)
+        coord.on_schedule_end()
+        assert tiers[0].blocks[key(1)] == bytes([1]) * 64
+
+
+class RequestLevelTier(kc.MemoryTier):
+    """A memory tier that asks for request-level offloading and records which request each
+    stored key was sent for."""
+
+    def __init__(self, host: kc.HostBuffer) -> None:
+        super().__init__(host, name="per-request")
+        self.sent: list[tuple[str, bytes]] = []
+
+    def on_new_request(self, ctx: kc.ReqContext) -> kc.RequestOffloadingContext:
+        return kc.RequestOffloadingContext(kc.OffloadPolicy.REQUEST_LEVEL)
+
+    def submit_store(self, job: kc.TransferJob):  # type: ignore[no-untyped-def]
+        self.sent.extend((job.req_context.req_id, k) for k in job.keys)
+        return super().submit_store(job)
+
+
+async def test_request_level_tier_gets_keys_another_request_was_writing() -> None:
+    """Defect 11: a key that another request was writing when this request offered it reaches
+    this request's request-level tier once the write lands; the request is finalized after."""
+    host = kc.HostBuffer(4, 64)
+    tier = RequestLevelTier(host)
+    async with running(tier):
+        coord = kc.TieringCoordinator(kc.CPUOffloadingManager(4), [tier])
+        writer, reader = kc.ReqContext("w"), kc.ReqContext("r")
+        coord.on_new_request(writer)
+        coord.on_new_request(reader)
+        out = coord.prepare_store([key(1)], writer)
+        assert coord.prepare_store([key(1)], reader).keys_to_store == []  # being written
+        coord.on_request_finished(reader)
+        assert "r" in coord._req_state  # still waits for key 1
+        host.row(int(out.store_spec.block_ids[0]))[:] = b"\1" * 64
+        coord.complete_store([key(1)], writer)
+        assert ("r", key(1)) in tier.sent
+        assert "r" not in coord._req_state
+        await settle(coord)
+        coord.on_schedule_end()
+    host.close()
+
+
+async def test_eviction_order_after_pins_are_released_follows_the_pin_order() -> None:
+    """Defect 11: a finished request's lookup pins are released in the order they were taken
+    (was: set order, which changes with PYTHONHASHSEED), so LRU evicts the same block every
+    run."""
+    async with tiering(num_blocks=8, num_tiers=0) as (coord, host, _tiers):
+        writer, reader = kc.ReqContext("w"), kc.ReqContext("r")
+        keys = [key(i) for i in range(8)]
+        store(coord, writer, keys, host)
+        for k in keys:
+            assert coord.lookup(k, reader) is R.HIT
+        coord.on_request_finished(reader)
+        assert coord.primary.policy.evictable_keys() == keys
+
+
+async def test_primary_usage_gauges_are_live_between_polls() -> None:
+    """Defect 11: the primary usage gauges read the tier at scrape time, not at the last
+    poll."""
+    async with tiering(num_blocks=4, num_tiers=0) as (coord, _host, _tiers):
+        ctx = kc.ReqContext("a")
+        out = coord.prepare_store([key(1), key(2)], ctx)
+        assert coord.metrics.value("primary_write_usage_perc") == 0.5
+        coord.complete_store(out.keys_to_store, ctx)
+        assert coord.metrics.value("primary_write_usage_perc") == 0.0
+        assert coord.lookup(key(1), ctx) is R.HIT  # pinned for the request
+        assert coord.metrics.value("primary_read_usage_perc") == 0.25

@@ -562,6 +562,100 @@ def _unblock_fifo(fifo: Path) -> None:
         os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
 
 
+def on_disk(root: Path) -> int:
+    """Bytes of the block files under ``root``."""
+    return sum(p.stat().st_size for p in files(root, ".bin"))
+
+
+@pytest.mark.parametrize("found_by", ["contains", "lookup", "load", "store"])
+async def test_block_file_deleted_from_outside_is_forgotten(
+    tmp_path: Path, host: kc.HostBuffer, found_by: str
+) -> None:
+    """Issue #14 item 6: a block file deleted behind the tier's back (an operator's rm, another
+    process sharing the directory) leaves the size index as soon as a probe, a load or a store
+    of its key finds it gone: ``used_bytes`` is the bytes on disk again and a store that fits
+    evicts no real file (it used to count the ghost and evict the least recent real file)."""
+    tier = make_tier(tmp_path, host, max_bytes=3 * file_size(BLOCK))
+    async with running(tier):
+        assert (await store(tier, host, [1, 2, 3])).success
+        os.remove(tier.path_of(key(2)))
+        if found_by == "contains":
+            assert await tier.contains([key(2)]) == [False]
+        elif found_by == "lookup":
+            assert await lookups(tier, [key(2)], kc.ReqContext("r")) == [R.MISS]
+        elif found_by == "load":  # the key after the gone one is not loaded, still indexed
+            result = await load(tier, [1, 2, 3], [8, 9, 10])
+            assert not result.success and result.successful_keys == [key(1)]
+        if found_by != "store":
+            assert tier.used_bytes == on_disk(tmp_path) == 2 * file_size(BLOCK)
+        new = 2 if found_by == "store" else 4
+        assert (await store(tier, host, [new], [5])).success
+        assert tier.counters["evictions"] == 0
+        assert await tier.contains([key(i) for i in (1, 3, new)]) == [True] * 3
+        assert tier.used_bytes == on_disk(tmp_path) == 3 * file_size(BLOCK)
+        # The index holds exactly the files on disk: the next store evicts one real file.
+        assert (await store(tier, host, [7], [6])).success
+        assert tier.counters["evictions"] == 1
+        assert tier.used_bytes == on_disk(tmp_path) == 3 * file_size(BLOCK)
+
+
+_TOUCH_A_SET = textwrap.dedent("""
+    import asyncio
+    import sys
+
+    import kvcascade as kc
+    from tier_helpers import key, running, store
+    from kvcascade.tiers._file_mapper import FileMapper, default_identity
+    from kvcascade.tiers.fs import FileSystemTier, file_size
+
+    async def main():
+        host = kc.HostBuffer(8, 4096)
+        tier = FileSystemTier(
+            host,
+            sys.argv[1],
+            FileMapper(default_identity()),
+            max_bytes=6 * file_size(4096),
+            compiled_io=False,
+        )
+        async with running(tier):
+            assert (await store(tier, host, list(range(6)))).success
+            tier.touch({key(i) for i in range(6)})
+            tier.take_events()
+            for i in (6, 7, 8):
+                assert (await store(tier, host, [i], [6])).success
+            ids = {key(i): i for i in range(6)}
+            print(*[ids[k] for e in tier.take_events() if e.removed for k in e.keys])
+        host.close()
+
+    asyncio.run(main())
+""")
+
+
+def test_touch_of_a_set_evicts_alike_under_every_hash_seed(tmp_path: Path, io_path: str) -> None:
+    """Issue #14: keys touched as a set (no order) are refreshed in key order, so which files
+    a bounded tier evicts never depends on PYTHONHASHSEED (it followed the set's iteration
+    order, which the seed decides for bytes)."""
+    if io_path != "python":
+        pytest.skip("no mover involved: runs once")
+    evicted = []
+    for seed in ("0", "1", "2"):
+        done = subprocess.run(
+            [sys.executable, "-c", _TOUCH_A_SET, str(tmp_path / f"seed{seed}")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)]),  # this checkout
+                "PYTHONHASHSEED": seed,
+            },
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        evicted.append(done.stdout.split())
+    oldest = [str(i) for i in sorted(range(6), key=key)[:3]]
+    assert evicted == [oldest] * 3
+
+
 # -- restart ---------------------------------------------------------------------------------
 async def test_restart_reuses_files_rebuilds_size_and_removes_stale_temps(
     tmp_path: Path, host: kc.HostBuffer
@@ -591,6 +685,31 @@ async def test_restart_reuses_files_rebuilds_size_and_removes_stale_temps(
         assert second.used_bytes == 3 * file_size(BLOCK) and second.counters["evictions"] == 1
         assert await second.contains([key(i) for i in range(4)]) == [False, True, True, True]
         assert (await load(second, [3], [4])).success and bytes(host.row(4)) == pattern(3)
+
+
+@pytest.mark.parametrize("fstype", ["ramfs", None])
+async def test_restart_evicts_in_write_order_within_one_clock_tick(
+    tmp_path: Path, host: kc.HostBuffer, fstype: str | None
+) -> None:
+    """Issue #14 item 11b: blocks stored within one tick of the kernel's file clock are evicted
+    after a restart oldest first, not in key (hash) order. ramfs stamps files from the coarse
+    clock (as ext4 and tmpfs do on kernels before 6.13) and keeps explicit nanoseconds: the
+    tier sets every new file's mtime from a strictly increasing clock; ``None``: ``tmp_path``."""
+    ids = sorted(range(20, 26), key=key, reverse=True)  # written in descending key order
+    with contextlib.ExitStack() as stack:
+        root = stack.enter_context(mounted(tmp_path / "mnt", fstype)) if fstype else tmp_path
+        first = make_tier(root, host, max_bytes=10 * file_size(BLOCK))
+        async with running(first):
+            assert (await store(first, host, ids)).success
+        stamps = [os.stat(first.path_of(key(i))).st_mtime_ns for i in ids]
+        assert stamps == sorted(set(stamps))  # strictly increasing in write order
+        second = make_tier(root, host, max_bytes=len(ids) * file_size(BLOCK))
+        async with running(second):
+            assert second.used_bytes == len(ids) * file_size(BLOCK)
+            for n, new in enumerate((30, 31), 1):
+                assert (await store(second, host, [new], [8])).success
+                assert second.counters["evictions"] == n
+            assert await second.contains([key(i) for i in ids]) == [False, False] + [True] * 4
 
 
 # -- deadlines and back-pressure --------------------------------------------------------------
@@ -818,15 +937,17 @@ async def test_kill_9_while_writing_1000_blocks(tmp_path: Path, io_path: str) ->
 
 
 @contextlib.contextmanager
-def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+def mounted(path: Path, fstype: str, options: str = "defaults") -> Iterator[Path]:
+    """A fresh ``fstype`` filesystem mounted on ``path`` (created) for the ``with`` block; skips
+    the test where it cannot be mounted (needs root)."""
     path.mkdir()
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        ["mount", "-t", fstype, "-o", options, fstype, str(path)],
         capture_output=True,
         text=True,
     )
     if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs (needs root): {done.stderr.strip()}")
+        pytest.skip(f"cannot mount a {fstype} (needs root): {done.stderr.strip()}")
     try:
         yield path
     finally:
@@ -838,7 +959,7 @@ async def test_enospc_fails_cleanly_and_loads_keep_working(
 ) -> None:
     """Issue #5 tests: stores into a full filesystem fail cleanly (failed job, no temp or
     partial file), and the tier keeps serving loads of what it stored."""
-    with small_tmpfs(tmp_path / "mnt", "128k") as root:
+    with mounted(tmp_path / "mnt", "tmpfs", "size=128k") as root:
         tier = make_tier(root, host)
         async with running(tier):
             results = [await store(tier, host, [i], [i % 4]) for i in range(20)]
@@ -861,7 +982,7 @@ async def test_read_only_filesystem_store_hits_and_misses(
     """Issue #5 (failure behaviour): on a filesystem remounted read-only, a store of blocks
     already there succeeds (a store hit, as in vLLM's fs tier, which checks existence first),
     a store of a new block fails with EROFS after the present ones before it, and loads go on."""
-    with small_tmpfs(tmp_path / "mnt", "4m") as root:
+    with mounted(tmp_path / "mnt", "tmpfs", "size=4m") as root:
         tier = make_tier(root, host)
         async with running(tier):
             assert (await store(tier, host, [1, 2, 3])).success
@@ -1162,7 +1283,7 @@ async def test_store_job_failing_twice_midway_cleans_up(tmp_path: Path) -> None:
     stored whole, and no temp file or partial file is left."""
     host = kc.HostBuffer(20, BLOCK)
     try:
-        with small_tmpfs(tmp_path / "mnt", "128k") as root:
+        with mounted(tmp_path / "mnt", "tmpfs", "size=128k") as root:
             tier = make_tier(root, host)
             async with running(tier):
                 squat = Path(tier.path_of(key(19))).parent

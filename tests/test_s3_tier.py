@@ -22,7 +22,15 @@ from typing import Any
 import numpy as np
 import pytest
 import s3_fixtures
-from s3_fixtures import ACCESS_KEY, SECRET_KEY, Fault, FaultProxy, MotoServer, free_port
+from s3_fixtures import (
+    ACCESS_KEY,
+    SECRET_KEY,
+    Fault,
+    FaultProxy,
+    MotoServer,
+    blackhole,
+    free_port,
+)
 from tier_helpers import BLOCK, job, key, load, lookups, pattern, running, store
 
 import kvcascade as kc
@@ -265,6 +273,9 @@ def test_config_keys_aliases_and_no_secret_anywhere(
         ({"bucket": "b", "read_timeout_s": -1}, "read_timeout_s"),
         ({"bucket": "b", "addressing_style": "sideways"}, "addressing_style"),
         ({"bucket": "b", "access_key": "a", "secret_key": 5}, "must be a string, got a secret"),
+        ({"bucket": "b", "orphan_upload_age_s": -1}, "orphan_upload_age_s .*got -1"),
+        ({"bucket": "b", "orphan_upload_age_s": float("nan")}, "orphan_upload_age_s .*got nan"),
+        ({"bucket": "b", "orphan_upload_age_s": "1h"}, "orphan_upload_age_s .*got '1h'"),
     ]:
         with pytest.raises(kc.ConfigError, match=message) as info:
             s3_tier_from_config(host, mapper, cfg)
@@ -341,9 +352,8 @@ async def test_slowdown_is_retried_then_succeeds(
             proxy.faults.append(Fault("slowdown", lambda m, t: m == "GET", times=1))
             assert (await store(tier, host, [0])).success
             assert (await load(tier, [0], [3])).success and bytes(host.row(3)) == pattern(0)
-            assert [m for m, _ in proxy.requests if m in ("PUT", "GET")] == ["PUT"] * 3 + [
-                "GET"
-            ] * 2
+            moves = [m for m, t in proxy.requests if m in ("PUT", "GET") and "uploads" not in t]
+            assert moves == ["PUT"] * 3 + ["GET"] * 2
 
 
 async def test_latency_beyond_the_read_timeout_fails_at_the_deadline(
@@ -454,6 +464,70 @@ async def test_multipart_failure_after_the_first_part_leaves_no_upload(
         big.close()
 
 
+async def test_cancelled_store_does_not_cancel_its_multipart_abort(
+    moto: MotoServer, bucket: str
+) -> None:
+    """Defect 7 (aioboto3 #209): a store task cancelled during part 2, and cancelled again while
+    its AbortMultipartUpload is on the way (held 0.5 s by the proxy, which drops a request whose
+    client hangs up): the abort still reaches the server, so no incomplete upload is left."""
+    block = 6 * 1024 * 1024  # two parts of max(threshold, 5 MiB)
+    big = kc.HostBuffer(1, block)
+    client = moto.client()
+    try:
+        async with FaultProxy(moto.port) as proxy:
+            tier = make_tier(
+                proxy.endpoint, bucket, big, max_attempts=1, multipart_threshold_bytes=1 << 20
+            )
+            proxy.faults.append(Fault("hold", lambda m, t: "partNumber=2" in t, seconds=30))
+            proxy.faults.append(Fault("hold", lambda m, t: m == "DELETE", seconds=0.5))
+
+            async def seen(method: str, part: str) -> None:
+                while not any(m == method and part in t for m, t in proxy.requests):
+                    await asyncio.sleep(0.01)
+
+            async with running(tier):
+                big.row(0)[:] = pattern(0, block)
+                task = asyncio.create_task(tier._store_blocks([key(0)], [big.row(0)]))
+                await seen("PUT", "partNumber=2")
+                task.cancel()
+                await seen("DELETE", "uploadId=")
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            assert client.list_multipart_uploads(Bucket=bucket).get("Uploads") is None
+    finally:
+        big.close()
+
+
+async def test_startup_aborts_orphan_multipart_uploads_of_its_namespace_only(
+    moto: MotoServer, bucket: str, host: kc.HostBuffer
+) -> None:
+    """Defect 7: uploads a killed process left under the tier's ``<prefix>/<namespace>/`` are
+    aborted at start-up once older than ``orphan_upload_age_s`` (0 here: moto dates every upload
+    2010-11-10, so an age cannot be told apart on it); an upload outside the prefix, or of
+    another namespace, is untouched."""
+    client = moto.client()
+    mine = make_tier(moto.endpoint, bucket, host, prefix="kv").object_key(key(0))
+    other_model = make_tier(
+        moto.endpoint, bucket, host, fields={"model_name": "other"}, prefix="kv"
+    ).object_key(key(0))
+    outside = "elsewhere/" + mine.removeprefix("kv/")
+    for name in (mine, other_model, outside):
+        upload = client.create_multipart_upload(Bucket=bucket, Key=name)
+        client.upload_part(
+            Bucket=bucket, Key=name, UploadId=upload["UploadId"], PartNumber=1, Body=b"x" * 100
+        )
+
+    def incomplete() -> set[str]:
+        return {u["Key"] for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])}
+
+    assert incomplete() == {mine, other_model, outside}
+    tier = make_tier(moto.endpoint, bucket, host, prefix="kv", orphan_upload_age_s=0)
+    async with running(tier):
+        assert tier.counters["orphan_uploads_aborted"] == 1
+    assert incomplete() == {other_model, outside}
+
+
 # -- degradation, sharing, replay -----------------------------------------------------------
 @pytest.fixture
 def killable(tmp_path: Path) -> Iterator[MotoServer]:
@@ -492,6 +566,57 @@ async def test_endpoint_down_degrades_then_resumes_without_restart(
         assert (await store(tier, host, [4], [4])).success
         assert await fresh(tier).contains([key(4)]) == [True]
         assert (await load(tier, [4], [5])).success and bytes(host.row(5)) == pattern(4)
+
+
+async def test_connect_timeout_degrades_the_tier_like_a_refused_connection(
+    moto: MotoServer, bucket: str, host: kc.HostBuffer
+) -> None:
+    """Defect 8: the tier's port turns into a blackhole (connects time out, botocore's
+    ConnectTimeoutError): the failed store marks the endpoint down, so the next store is dropped
+    without a request, lookups miss and loads fail; nothing is treated as a data error: once the
+    endpoint answers again the block stored before is still found and loads byte-exact."""
+    port = free_port()
+    tier = make_tier(
+        f"http://127.0.0.1:{port}", bucket, host, connect_timeout_s=0.2, max_attempts=2
+    )
+    proxy = FaultProxy(moto.port, port=port)
+    await proxy.__aenter__()
+    async with running(tier):
+        assert (await store(tier, host, [0])).success
+        await proxy.__aexit__(None, None, None)
+        with blackhole(port):
+            first = await store(tier, host, [1], [1])
+            assert not first.success and "ConnectTimeoutError" in (first.error or "")
+            assert not (await store(tier, host, [2], [2])).success
+            assert tier.counters["store_dropped_blocks"] == 1
+            assert await lookups(tier, [key(0), key(3)], kc.ReqContext("r")) == [R.MISS] * 2
+            assert not (await load(tier, [0], [4])).success
+        async with FaultProxy(moto.port, port=port):
+            await asyncio.sleep(1.1)  # the endpoint is left alone for DOWN_RETRY_S
+            assert await fresh(tier).contains([key(0)]) == [True]
+            assert (await load(tier, [0], [5])).success and bytes(host.row(5)) == pattern(0)
+    assert tier.counters["corrupt_blocks"] == 0
+
+
+@pytest.mark.parametrize(
+    ("fault", "code"), [("hold", "ReadTimeoutError"), ("drop", "ConnectionClosedError")]
+)
+async def test_read_timeout_or_closed_connection_degrades_the_tier(
+    moto: MotoServer, bucket: str, host: kc.HostBuffer, fault: str, code: str
+) -> None:
+    """Defect 8: a PUT unanswered past ``read_timeout_s`` (ReadTimeoutError) or a connection
+    closed without an answer (ConnectionClosedError) on every attempt marks the endpoint down:
+    the next store is dropped without a request."""
+    async with FaultProxy(moto.port) as proxy:
+        tier = make_tier(proxy.endpoint, bucket, host, read_timeout_s=0.3, max_attempts=1)
+        async with running(tier):
+            proxy.faults.append(Fault(fault, lambda m, t: m == "PUT", seconds=5))
+            first = await store(tier, host, [0])
+            assert not first.success and code in (first.error or "")
+            puts = sum(m == "PUT" for m, _ in proxy.requests)
+            assert not (await store(tier, host, [1], [1])).success
+            assert tier.counters["store_dropped_blocks"] == 1
+            assert sum(m == "PUT" for m, _ in proxy.requests) == puts
 
 
 def conversations(requests: int, chats: int = 6) -> list[TraceRequest]:

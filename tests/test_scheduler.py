@@ -745,3 +745,56 @@ async def test_with_real_coordinator() -> None:
     ack(sched, load)
     assert [e.removed for e in sched.take_events()] == [False]
     await asyncio.sleep(0)
+
+
+# -- issue #14: where the parts meet ----------------------------------------------------------
+async def test_store_cursor_does_not_skip_a_chunk_whose_write_later_fails() -> None:
+    """Defect 4 (vLLM #54415): A and B share chunk 0 in one step; A stores it, B skips it as
+    being written. A's store fails: B stores chunk 0 itself next step, so the prefix has no
+    hole and a third request hits both chunks."""
+    primary = kc.CPUOffloadingManager(8)
+    sched = OffloadScheduler(
+        SchedulerConfig((GroupSpec(4),), 4), kc.TieringCoordinator(primary, [])
+    )
+    a, b = FakeRequest("a", 5), FakeRequest("b", 9)
+    admit(sched, a)
+    admit(sched, b)
+    step = StepInput(
+        [ScheduledRequest("a", [[1, 2]]), ScheduledRequest("b", [[3, 4, 5]])], {"a": 5, "b": 9}
+    )
+    plan = sched.build_step(step)
+    (a_job,) = [j for j, s in plan.store_jobs.items() if s.req_id == "a"]
+    (b_job,) = [j for j, s in plan.store_jobs.items() if s.req_id == "b"]
+    assert plan.store_jobs[b_job].gpu.block_ids.tolist() == [4]  # chunk 1 only
+    assert sched.store_cursor("b") == 0  # chunk 0 is someone else's write in flight
+    sched.on_jobs_finished({a_job: 1, b_job: 1}, failed={a_job})
+    a.num_computed_tokens, b.num_computed_tokens = 5, 9
+    retry = sched.build_step(StepInput([ScheduledRequest("b")], {"b": 1}))
+    [spec] = retry.store_jobs.values()
+    assert spec.req_id == "b" and spec.gpu.block_ids.tolist() == [3]
+    ack(sched, retry)
+    c = FakeRequest("c", 9)
+    assert admit(sched, c) == (8, True)
+
+
+def test_store_is_flushed_when_its_blocks_are_allocated_with_zero_external_tokens() -> None:
+    """Defect 5 (vLLM #46951): a finished request's store still reads blocks 1 and 2; they are
+    handed to another request through update_state_after_alloc(..., 0) (a connector in front,
+    MultiConnector) or scheduled for a request this scheduler does not track: the store is
+    flushed that step."""
+    for via_alloc in (True, False):
+        sched, _m = make()
+        eng = Engine(sched)
+        a = FakeRequest("a", 8)
+        admit(sched, a)
+        p1 = eng.step({"a": 8}, new_blocks={"a": [1, 2]}, reqs={"a": a})
+        a.finished = True
+        sched.request_finished("a")
+        assert eng.step({}, finished=["a"]).jobs_to_flush == set()
+        if via_alloc:
+            admit(sched, FakeRequest("c", 8, hash_base=100))
+            sched.update_state_after_alloc("c", [[(2, False), (1, False)]], 0)
+            plan = sched.build_step(StepInput())
+        else:  # a request of another connector, never seen by this scheduler
+            plan = sched.build_step(StepInput([ScheduledRequest("x", [[2, 1]])], {"x": 8}))
+        assert plan.jobs_to_flush == set(p1.store_jobs)

@@ -5,6 +5,13 @@ The coordinator's hooks and the tier actors must run on one event-loop thread
 them through :meth:`LoopThread.call` (a plain function run on the loop, result handed back
 through a :class:`concurrent.futures.Future`; the caller waits only for that bookkeeping call)
 or :meth:`LoopThread.run` (a coroutine, for rare operations such as ``reset_cache``).
+
+Every portal call returns or raises within a bound once :meth:`LoopThread.close` begins
+(``docs/vllm.md``): each call's future is tracked until its caller has it, calls made after
+close begins raise at once, and the futures still unresolved when the loop stops — a callback
+queued after the loop's last iteration (asyncio drops it), a coroutine that never finished —
+are failed then. (anyio's ``BlockingPortal`` queues its calls with the same unguarded
+``call_soon_threadsafe`` and waits without a bound, so it would not close that window.)
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from .._errors import TierUnavailableError
 from ..cascade import SHUTDOWN_TIMEOUT_S, start_tier_actors, stop_tier_actors
 from ..coordinator import TieringCoordinator
 from ..tiers.base import SecondaryTier
@@ -42,7 +50,13 @@ class LoopThread:
         self._build = build
         self._loop = asyncio.new_event_loop()
         self._ready: concurrent.futures.Future[TieringCoordinator] = concurrent.futures.Future()
-        self._stop: asyncio.Event | None = None
+        self._stop = asyncio.Event()  # bound to the loop at its first wait, in _serve
+        # Guards _closing, _stopped and _pending: the futures of the portal calls in flight.
+        self._lock = threading.Lock()
+        self._closing = False
+        self._stopped = False
+        self._pending: set[concurrent.futures.Future[Any]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()  # run()'s tasks (the loop keeps weak refs)
         self._thread = threading.Thread(target=self._main, name="kvcascade-loop", daemon=True)
         self._thread.start()
         try:
@@ -55,10 +69,11 @@ class LoopThread:
         try:
             self._loop.run_until_complete(self._serve())
         finally:
+            self._fail_pending()
+            self._loop.run_until_complete(_cancel_remaining_tasks())
             self._loop.close()
 
     async def _serve(self) -> None:
-        self._stop = asyncio.Event()
         actors: list[asyncio.Task[None]] = []
         coordinator: TieringCoordinator | None = None
         try:
@@ -72,35 +87,113 @@ class LoopThread:
         await self._stop.wait()
         await stop_tier_actors(coordinator, actors)
 
+    def _fail_pending(self) -> None:
+        """On the loop thread, once the loop has stopped: refuse new calls and fail every
+        portal future still unresolved (nothing else can resolve one now: the loop's callbacks
+        run on this thread)."""
+        with self._lock:
+            self._closing = self._stopped = True
+            pending, self._pending = self._pending, set()
+        for fut in pending:
+            if not fut.done():
+                fut.set_exception(
+                    TierUnavailableError("the kvcascade loop stopped before this call finished")
+                )
+
+    def _submit(
+        self, fut: concurrent.futures.Future[_T], start: Callable[[], object], timeout: float | None
+    ) -> _T:
+        """Queue ``start`` on the loop and wait (at most ``timeout`` seconds; None: no limit)
+        for ``fut``, which ``start`` or :meth:`_fail_pending` resolves.
+
+        Raises:
+            TierUnavailableError: :meth:`close` has begun (nothing was queued), or the loop
+                stopped before ``fut`` was resolved.
+        """
+        with self._lock:
+            if self._closing:
+                raise TierUnavailableError("the kvcascade loop is closing or closed")
+            self._pending.add(fut)
+            self._loop.call_soon_threadsafe(start)
+        try:
+            return fut.result(timeout)
+        finally:
+            with self._lock:
+                self._pending.discard(fut)
+
     def call(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         """Run ``fn(*args, **kwargs)`` on the loop thread and return its result (or raise its
-        exception). Called on the loop thread itself, it runs inline."""
+        exception). Called on the loop thread itself, it runs inline.
+
+        Raises:
+            TierUnavailableError: called from another thread once :meth:`close` has begun, or
+                the loop stopped before running ``fn`` (then ``fn`` never runs).
+        """
         if threading.get_ident() == self._thread.ident:
             return fn(*args, **kwargs)
         fut: concurrent.futures.Future[_T] = concurrent.futures.Future()
 
         def run() -> None:
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(*args, **kwargs))
-                except BaseException as exc:
-                    fut.set_exception(exc)
+            if fut.done():  # failed by _fail_pending: its caller was told it did not run
+                return
+            try:
+                fut.set_result(fn(*args, **kwargs))
+            except BaseException as exc:
+                fut.set_exception(exc)
 
-        self._loop.call_soon_threadsafe(run)
-        return fut.result()
+        return self._submit(fut, run, None)
 
     def run(self, coro_fn: Callable[[], Awaitable[_T]], timeout: float | None = None) -> _T:
-        """Run the coroutine ``coro_fn()`` on the loop and wait for its result."""
+        """Run the coroutine ``coro_fn()`` on the loop and wait for its result (at most
+        ``timeout`` seconds; None: until it finishes or the loop stops).
 
-        async def wrapper() -> _T:
-            return await coro_fn()
+        Raises:
+            TierUnavailableError: :meth:`close` has begun, or the loop stopped while the
+                coroutine was queued or running (a running one is then cancelled).
+            TimeoutError: ``timeout`` passed first (the coroutine keeps running).
+        """
+        fut: concurrent.futures.Future[_T] = concurrent.futures.Future()
 
-        return asyncio.run_coroutine_threadsafe(wrapper(), self._loop).result(timeout)
+        async def wrapper() -> None:
+            if fut.done():  # failed by _fail_pending before it started
+                return
+            try:
+                result = await coro_fn()
+            except BaseException as exc:
+                if not fut.done():
+                    fut.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+            else:
+                if not fut.done():
+                    fut.set_result(result)
+
+        def start() -> None:
+            task = self._loop.create_task(wrapper())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        return self._submit(fut, start, timeout)
 
     def close(self) -> None:
-        """Drain the tiers (bounded), stop the actors and the thread; idempotent."""
-        if self._thread.is_alive() and not self._loop.is_closed():
-            stop = self._stop
-            if stop is not None:
-                self._loop.call_soon_threadsafe(stop.set)
-            self._thread.join(timeout=2 * SHUTDOWN_TIMEOUT_S + 5)
+        """Refuse new calls, drain the tiers (bounded), stop the actors and the thread; the
+        calls still unresolved when the loop stops are failed. Idempotent."""
+        with self._lock:
+            self._closing = True
+            if not self._stopped:  # the loop is not closed yet: the callback can be queued
+                self._loop.call_soon_threadsafe(self._stop.set)
+        if self._thread.is_alive():
+            self._thread.join(timeout=3 * SHUTDOWN_TIMEOUT_S + 5)
+
+
+async def _cancel_remaining_tasks() -> None:
+    """Cancel the tasks still on the loop once ``_serve`` has returned (portal coroutines that
+    never finished, actors ``stop_tier_actors`` cancelled) and wait for them, at most
+    ``SHUTDOWN_TIMEOUT_S`` seconds — ``asyncio.run``'s teardown, bounded."""
+    tasks = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=SHUTDOWN_TIMEOUT_S)
+        if pending:
+            log.warning("kvcascade: %d loop tasks ignored cancellation at close", len(pending))

@@ -18,19 +18,20 @@ a 4 MiB one).
 I/O (same rules as vLLM's fs tier, spec §4.3): O_DIRECT is probed once per namespace directory at
 construction (one aligned page written to a probe file); any error (overlayfs, old tmpfs, some
 NFS) selects buffered I/O for the tier's lifetime. A store writes ``<path>_<pid>_<random>.tmp``
-opened ``O_CREAT|O_EXCL`` (mode 0600) with one vectored write (header + payload), closes it and
-``os.replace``-s it over ``<path>``, so a reader sees no file or the whole file; a key whose file
-exists is not rewritten. A load opens the file and reads header and payload with one vectored
-read straight into the primary row. A short file is deleted and fails its block; a header,
-key or checksum mismatch deletes the file, counts ``counters["corrupt_blocks"]`` and fails the
-block, so the caller recomputes. Other errors (missing file, EIO, …) fail the block and leave the
-file alone. Batches stop at the first failing block and report the blocks before it as done.
+opened ``O_CREAT|O_EXCL`` (mode 0600) with one vectored write (header + payload), with
+``max_bytes`` sets its mtime (:meth:`FileSystemTier._stamps`), closes it and ``os.replace``-s it
+over ``<path>``, so a reader sees no file or the whole file; a key whose file exists is not
+rewritten. A load opens the file and reads header and payload with one vectored read straight
+into the primary row. A short file is deleted and fails its block; a header, key or checksum
+mismatch deletes the file, counts ``counters["corrupt_blocks"]`` and fails the block, so the
+caller recomputes. Other errors (missing file, EIO, …) fail the block and leave the file alone.
+Batches stop at the first failing block and report the blocks before it as done.
 
 Compiled path: once the kernel extension is loaded (:func:`compiled_fs_io`, built in the
 background on first use), each job runs through ``kernels/fs_io.cpp`` a batch of up to
 :data:`COMPILED_BATCH` blocks per call with the GIL released: stores as open (existence check,
 temp file) → write (checksum, header, payload; the only call inside the row-access window) →
-commit (close, rename); loads as open → read + verify. Where a read or write is a CPU copy
+commit (mtime, close, rename); loads as open → read + verify. Where a read or write is a CPU copy
 (buffered I/O or tmpfs), blocks above 256 KiB move in 256 KiB pieces, each hashed while it is in
 the CPU cache. Same files, same checks, same failure outcomes as the pure-Python path, which runs
 while the extension builds, if it cannot build, or with ``compiled_io=False``.
@@ -39,13 +40,16 @@ Capacity: with ``max_bytes`` the tier keeps an LRU index of its files (access re
 on a store of a key already present, and on :meth:`FileSystemTier.touch`); a store that would
 exceed ``max_bytes`` first deletes the least recently used files (``counters["evictions"]``,
 one removal event per store batch). Files being read are skipped by eviction; a load of a file
-evicted meanwhile fails that block like a miss. ``max_bytes`` counts file sizes (header and
-padding included). Without ``max_bytes`` files accumulate, as in vLLM.
+evicted meanwhile fails that block like a miss. A file deleted from outside the tier leaves the
+index when a probe, load or store of its key finds it gone. ``max_bytes`` counts file sizes
+(header and padding included). Without ``max_bytes`` files accumulate, as in vLLM.
 
 Restart: a new tier on an existing directory serves the files there. At start-up (inside
 :meth:`~kvcascade.tiers.base.SecondaryTier.run`, on an I/O thread) it scans its namespace
 directory: temp files of a dead process, or older than ``io_timeout_s``, are deleted, and with
-``max_bytes`` the index is rebuilt (recency = file modification time) and trimmed to the bound.
+``max_bytes`` the index is rebuilt (recency = file modification time in ns, which a bounded
+tier sets from a strictly increasing clock, :meth:`FileSystemTier._stamps`) and trimmed to the
+bound.
 
 Permissions: directories are created 0700 and files 0600 (KV bytes reveal prompts).
 """
@@ -257,6 +261,7 @@ class FileSystemTier(SecondaryTier):
             collections.OrderedDict() if max_bytes is not None else None
         )
         self._used = 0
+        self._last_stamp = 0  # the latest mtime (ns since the epoch) given to a new file
         self._readers: collections.Counter[bytes] = collections.Counter()
         self._evicting: set[bytes] = set()
         self._buffers = threading.local()
@@ -327,7 +332,7 @@ class FileSystemTier(SecondaryTier):
 
     def _scan(self) -> None:
         """Delete stale temp files; with ``max_bytes``, rebuild the LRU index and trim it."""
-        found: list[tuple[float, bytes, int]] = []
+        found: list[tuple[int, bytes, int]] = []
         stale = 0
         now = time.time()
         for top in _subdirs(self.data_dir):
@@ -347,16 +352,18 @@ class FileSystemTier(SecondaryTier):
                                 key = make_offload_key(bytes.fromhex(entry.name[:-4]), group)
                             except (OSError, ValueError):
                                 continue
-                            found.append((st.st_mtime, key, st.st_size))
+                            found.append((st.st_mtime_ns, key, st.st_size))
         if stale:
             log.info("fs tier %s: removed %d stale temp files", self.name, stale)
         if self._index is None:
             return
-        found.sort()
+        found.sort()  # oldest first; equal times (files of older versions) in key order
         with self._lock:
             for _, key, size in found:
                 self._index[key] = size
                 self._used += size
+            if found:  # new files are stamped after every file found, whatever the clock does
+                self._last_stamp = max(self._last_stamp, found[-1][0])
         self._evict_and_reserve(0)
 
     def _is_stale_temp(self, entry: os.DirEntry[str], now: float) -> bool:
@@ -411,6 +418,18 @@ class FileSystemTier(SecondaryTier):
             )
         return ok
 
+    def _stamps(self, n: int) -> int:
+        """The first of ``n`` consecutive modification times (ns since the epoch) for files
+        written now: the wall clock, but strictly after every time given before and every file
+        found at start-up, so that the restart scan orders files as they were written even
+        where the kernel's file clock ticks coarsely (every few ms: many stores per tick).
+        Set only with ``max_bytes`` (one ``futimens`` per new file, ~1 µs): an unbounded tier
+        never evicts, and its files restarted under a bound fall back to the kernel's times."""
+        with self._lock:
+            first = max(time.time_ns(), self._last_stamp + 1)
+            self._last_stamp = first + n - 1
+        return first
+
     def _unreserve(self, size: int) -> None:
         if self._index is not None:
             with self._lock:
@@ -431,11 +450,19 @@ class FileSystemTier(SecondaryTier):
                     self._used += size
 
     def _forget(self, key: bytes) -> None:
-        if self._index is not None:
-            with self._lock:
-                size = self._index.pop(key, None)
-                if size is not None:
-                    self._used -= size
+        """Drop ``key`` from the size index: its file was found gone (deleted from outside the
+        tier: an operator's ``rm``, another process sharing the directory) or was deleted as
+        corrupt. A file present again by the time the entry is gone (a concurrent store of the
+        key) is indexed again, so the index never loses a file it must count."""
+        if self._index is None:
+            return
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is None:
+                return
+            self._used -= size
+        if os.path.exists(self.path_of(key)):
+            self._record(key, size, reserved=False)
 
     def _stored_event_keys(self, keys: Sequence[bytes]) -> list[bytes]:
         if self._index is None:
@@ -444,11 +471,14 @@ class FileSystemTier(SecondaryTier):
             return [k for k in keys if k in self._index]
 
     def touch(self, keys: Collection[bytes]) -> None:
-        """Mark ``keys`` most recently used (spec §3.8 recency; only with ``max_bytes``)."""
+        """Mark ``keys`` most recently used, the last one most (spec §3.8 recency; only with
+        ``max_bytes``). Keys given without an order (a set) are refreshed in key order, so that
+        eviction never depends on the iteration order of a set (PYTHONHASHSEED)."""
         if self._index is None:
             return
+        ordered = keys if isinstance(keys, Sequence) else sorted(keys)
         with self._lock:
-            for key in keys:
+            for key in ordered:
                 if key in self._index:
                     self._index.move_to_end(key)
 
@@ -526,7 +556,9 @@ class FileSystemTier(SecondaryTier):
             for j, fd in enumerate(fds):
                 if fd == exists:
                     self._record(batch[j], self.block_file_bytes, reserved=False)
-                elif not self._evict_and_reserve(size):
+                    continue
+                self._forget(batch[j])  # an index entry left by a file deleted from outside
+                if not self._evict_and_reserve(size):
                     failure, reserved = (j, _no_room(size)), j
                     break
         committed = handled = 0  # blocks stored / blocks whose temp file is dealt with
@@ -544,8 +576,9 @@ class FileSystemTier(SecondaryTier):
                 )
             failure = _failure(done, kind, message) or failure
             n = len(done)
+            stamp = self._stamps(n) if self._index is not None else 0  # 0: kernel's mtimes
             outcomes, kind, message = ext.fs_store_commit(
-                fds[:n], prefix, batch[:n], suffix, not check_first
+                fds[:n], prefix, batch[:n], suffix, not check_first, stamp
             )
             handled = len(outcomes)  # on a failure the failing block's temp file is gone too
             failure = _failure(outcomes, kind, message) or failure
@@ -602,6 +635,7 @@ class FileSystemTier(SecondaryTier):
         if os.path.exists(path):
             self._record(key, self.block_file_bytes, reserved=False)
             return 0
+        self._forget(key)  # an index entry left by a file deleted from outside
         size = HEADER_BYTES + len(row)
         if not self._evict_and_reserve(size):
             raise _no_room(size)
@@ -630,6 +664,10 @@ class FileSystemTier(SecondaryTier):
                         if not written:
                             raise OSError(errno.EIO, f"short write to {tmp}")
                         done += written
+                if self._index is not None:  # recency after a restart (_stamps)
+                    stamp = self._stamps(1)
+                    with contextlib.suppress(OSError):  # refused: the file's own mtime stands
+                        os.utime(fd, ns=(stamp, stamp))
             finally:
                 os.close(fd)
             os.replace(tmp, path)
@@ -723,6 +761,8 @@ class FileSystemTier(SecondaryTier):
             _unlink_quietly(self.path_of(batch[i]))
             self._forget(batch[i])
             raise TransferError(str(exc), keys[: lo + i]) from exc
+        if isinstance(exc, FileNotFoundError):
+            self._forget(batch[i])
         raise TransferError(
             f"fs load of block {lo + i} failed: {_naming(exc, self.path_of(batch[i]))}",
             keys[: lo + i],
@@ -742,6 +782,8 @@ class FileSystemTier(SecondaryTier):
                 self._forget(key)
                 raise TransferError(str(exc), keys[:i]) from exc
             except OSError as exc:
+                if isinstance(exc, FileNotFoundError):
+                    self._forget(key)
                 raise TransferError(
                     f"fs load of block {i} failed: {_naming(exc, path)}", keys[:i]
                 ) from exc
@@ -780,7 +822,17 @@ class FileSystemTier(SecondaryTier):
         return len(payload)
 
     def _probe(self, keys: Sequence[bytes]) -> list[bool]:
-        return [os.path.isfile(self.path_of(k)) for k in keys]
+        """Whether each key's block file is a regular file; a key found gone leaves the index."""
+        found = []
+        for key in keys:
+            try:
+                found.append(stat.S_ISREG(os.stat(self.path_of(key)).st_mode))
+            except FileNotFoundError:
+                found.append(False)
+                self._forget(key)
+            except (OSError, ValueError):  # as os.path.isfile: ENOTDIR, ELOOP, ...
+                found.append(False)
+        return found
 
 
 def _failure(values: list[int], kind: int, message: str) -> tuple[int, OSError] | None:

@@ -20,7 +20,9 @@ mode with ``max_attempts`` attempts in all.
   whose body streams the header, the primary row and the padding straight from their memory
   (no copy of the payload: :class:`_BlockBody`); above ``multipart_threshold_bytes`` a multipart
   upload of parts of ``max(threshold, 5 MiB)`` bytes, aborted (``AbortMultipartUpload``) on any
-  failure, cancellation included. Payload signing is off (``UNSIGNED-PAYLOAD``): the xxh3
+  failure, cancellation included, by a shielded, bounded task (:meth:`S3Tier._abort`); uploads
+  of a killed process are aborted at the next start-up once older than ``orphan_upload_age_s``.
+  Payload signing is off (``UNSIGNED-PAYLOAD``): the xxh3
   checksum in the header guards the bytes, and a SHA-256 pass over every block would halve the
   tier's throughput on plain-HTTP endpoints.
 * **Load** (per block): ``GetObject`` whose body is read into the header buffer and straight into
@@ -34,7 +36,8 @@ mode with ``max_attempts`` attempts in all.
 * **Capacity** (``max_bytes``): the index doubles as the LRU of the objects this tier knows; a
   store that would exceed the bound first deletes the least recently used objects
   (``counters["evictions"]``, one removal event per store). Objects being read are skipped.
-* **Degradation**: a connection failure to the endpoint (after botocore's retries) marks it down
+* **Degradation**: no answer from the endpoint (after botocore's retries: refused, connect or
+  read timeout, connection closed; classified in one place, :data:`_MEANINGS`) marks it down
   for :data:`DOWN_RETRY_S` seconds: probes answer ``MISS``, stores are dropped
   (``counters["store_dropped_blocks"]``) and loads fail, all without a request; the first request
   after that window tries again and any answer marks the endpoint up. Jobs in flight fail at their
@@ -50,19 +53,36 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import datetime
+import enum
 import logging
+import math
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import aiobotocore.session
 import aiohttp
 from aiobotocore.config import AioConfig
+from aiobotocore.response import AioReadTimeoutError
 from aiohttp.abc import AbstractStreamWriter
-from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectionClosedError,
+    ReadTimeoutError,
+    ResponseStreamingError,
+)
+from botocore.exceptions import ConnectionError as BotoConnectionError
 
-from .._errors import ConfigError, CorruptBlockError, TierUnavailableError, TransferError
+from .._errors import (
+    ConfigError,
+    CorruptBlockError,
+    KVCascadeError,
+    TierUnavailableError,
+    TransferError,
+)
 from .._types import OffloadingEvent
 from ._file_mapper import FileMapper
 from .base import SecondaryTier
@@ -74,19 +94,46 @@ log = logging.getLogger(__name__)
 MIN_PART_BYTES = 5 * 1024 * 1024
 """S3's smallest part size (bytes) except for the last part of a multipart upload."""
 DOWN_RETRY_S = 1.0
-"""Seconds an endpoint that refused connections is left alone before the next try."""
+"""Seconds an unreachable endpoint (:data:`_MEANINGS`) is left alone before the next try."""
+ABORT_TIMEOUT_S = 10.0
+"""Seconds an ``AbortMultipartUpload`` may take in all (waiting for a connection and botocore's
+attempts included) before it is given up and logged."""
 MAX_KNOWN_KEYS = 1 << 20
 """Keys remembered as present when ``max_bytes`` is unset (~100 MB of index at most)."""
 
 _ZEROS = memoryview(bytes(HEADER_BYTES))
-_IO_ERRORS = (
-    BotoCoreError,
-    ClientError,
-    aiohttp.ClientError,
-    OSError,
-    TimeoutError,
-    TierUnavailableError,
+
+
+class _Meaning(enum.Enum):
+    """What a backend exception says about the endpoint (:data:`_MEANINGS`)."""
+
+    ANSWERED = "the endpoint answered with an S3 error"
+    DOWN = "the endpoint could not be reached"
+    FAILED = "this request failed; the endpoint is not known to be down"
+
+
+_MEANINGS: tuple[tuple[type[Exception], _Meaning], ...] = (
+    # S3 answered: a 4xx, or a 5xx / throttling left after botocore's retries.
+    (ClientError, _Meaning.ANSWERED),
+    # The connection failed or stalled in the middle of a response body: the endpoint answered.
+    (ResponseStreamingError, _Meaning.FAILED),
+    (AioReadTimeoutError, _Meaning.FAILED),
+    # No answer on any attempt: refused, DNS, connect timeout, TLS or proxy failure
+    # (botocore's ConnectionError family), no response within read_timeout_s, or the connection
+    # closed before a response.
+    (BotoConnectionError, _Meaning.DOWN),
+    (ReadTimeoutError, _Meaning.DOWN),
+    (ConnectionClosedError, _Meaning.DOWN),
+    # Anything else from botocore or aiohttp: an answer botocore cannot parse, a broken body.
+    (BotoCoreError, _Meaning.FAILED),
+    (aiohttp.ClientError, _Meaning.FAILED),
 )
+"""Backend exception type → what it means to the tier, first match wins; read only by
+:meth:`S3Tier._backend` (the model is httpx's ``map_httpcore_exceptions``)."""
+
+
+class _NotFound(TransferError):
+    """S3 answered that the object or upload is not there (404, ``NoSuchKey``, ``NoSuchUpload``)."""
 
 
 class _Credentials:
@@ -187,7 +234,7 @@ def _is_not_found(exc: BaseException) -> bool:
     if not isinstance(exc, ClientError):
         return False
     status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return status == 404 or _error_code(exc) in ("404", "NoSuchKey", "NotFound")
+    return status == 404 or _error_code(exc) in ("404", "NoSuchKey", "NotFound", "NoSuchUpload")
 
 
 class S3Tier(SecondaryTier):
@@ -208,12 +255,15 @@ class S3Tier(SecondaryTier):
         max_attempts: attempts per request (first try included), ``>= 1``.
         multipart_threshold_bytes: objects larger than this are uploaded in parts.
         max_bytes: bound on the bytes of objects this tier knows; None = unbounded.
+        orphan_upload_age_s: at start-up, incomplete multipart uploads under
+            ``<prefix>/<namespace>/`` initiated at least this many seconds ago are aborted
+            (uploads of a killed process); ``>= 0``.
         name: tier name in metrics and events (default ``"s3"``).
         io_timeout_s: per-job deadline in seconds from submission.
         max_queued_jobs: jobs allowed to wait; stores beyond it are refused.
 
     Raises:
-        ConfigError: a value out of range.
+        ConfigError: a value out of range (named, with the value).
     """
 
     def __init__(
@@ -233,6 +283,7 @@ class S3Tier(SecondaryTier):
         max_attempts: int = 3,
         multipart_threshold_bytes: int = 8 * 1024 * 1024,
         max_bytes: int | None = None,
+        orphan_upload_age_s: float = 3600.0,
         name: str = "s3",
         io_timeout_s: float = 30.0,
         max_queued_jobs: int = 1024,
@@ -256,6 +307,15 @@ class S3Tier(SecondaryTier):
             raise ConfigError("s3 connect_timeout_s and read_timeout_s must be > 0")
         if max_bytes is not None and max_bytes <= 0:
             raise ConfigError(f"s3 tier max_bytes must be > 0, got {max_bytes}")
+        if (
+            isinstance(orphan_upload_age_s, bool)
+            or not isinstance(orphan_upload_age_s, (int, float))
+            or not 0 <= orphan_upload_age_s < math.inf
+        ):
+            raise ConfigError(
+                "s3 tier orphan_upload_age_s must be a number >= 0 (seconds), "
+                f"got {orphan_upload_age_s!r}"
+            )
         self.mapper = mapper
         self.bucket = bucket
         self.endpoint_url = endpoint_url
@@ -266,6 +326,7 @@ class S3Tier(SecondaryTier):
         self.object_bytes = file_size(host.block_bytes)
         self.multipart_threshold_bytes = multipart_threshold_bytes
         self.part_bytes = max(multipart_threshold_bytes, MIN_PART_BYTES)
+        self.orphan_upload_age_s = float(orphan_upload_age_s)
         self._credentials = credentials
         self._config = AioConfig(
             region_name=region,
@@ -288,6 +349,7 @@ class S3Tier(SecondaryTier):
         self._used = 0
         self._readers: collections.Counter[bytes] = collections.Counter()
         self._evicting: set[bytes] = set()
+        self._aborts: set[asyncio.Task[bool]] = set()
 
     @property
     def used_bytes(self) -> int:
@@ -301,7 +363,8 @@ class S3Tier(SecondaryTier):
 
     # -- life cycle ----------------------------------------------------------------------
     async def _startup(self) -> None:
-        """Create the client and check the bucket answers (``HeadBucket``).
+        """Create the client, check the bucket answers (``HeadBucket``), then abort the orphan
+        multipart uploads (:meth:`_abort_orphan_uploads`).
 
         Raises:
             TierUnavailableError: the bucket cannot be reached; the message names bucket,
@@ -315,14 +378,59 @@ class S3Tier(SecondaryTier):
             )
         )
         try:
-            await self._client.head_bucket(Bucket=self.bucket)
-        except _IO_ERRORS as exc:
+            await self._send("head_bucket")
+        except (TierUnavailableError, TransferError) as exc:
             raise TierUnavailableError(
                 f"s3 tier {self.name!r}: bucket {self.bucket!r} at {self.endpoint} is not "
-                f"reachable ({_error_code(exc)})"
+                f"reachable ({exc})"
             ) from exc
+        await self._abort_orphan_uploads()
+
+    async def _abort_orphan_uploads(self) -> None:
+        """Abort the incomplete multipart uploads under this tier's ``<prefix>/<namespace>/``
+        initiated at least ``orphan_upload_age_s`` ago: the ones a killed process left (a live
+        one aborts its own, :meth:`_abort`). Other prefixes and namespaces are not touched.
+        Aborted uploads are counted (``counters["orphan_uploads_aborted"]``); a failure is
+        logged, never raised (a bucket lifecycle rule is the safety net).
+        """
+        namespace = self.mapper.namespace
+        root = f"{self.prefix}/{namespace}" if self.prefix else namespace
+        cutoff = datetime.datetime.now(datetime.UTC) - datetime.timedelta(
+            seconds=self.orphan_upload_age_s
+        )
+        orphans: list[tuple[str, str]] = []
+        try:
+            with self._backend("list_multipart_uploads"):
+                pages = self._client.get_paginator("list_multipart_uploads")
+                async for page in pages.paginate(Bucket=self.bucket, Prefix=root + "/"):
+                    orphans += [
+                        (u["Key"], u["UploadId"])
+                        for u in page.get("Uploads", ())
+                        if u["Initiated"] <= cutoff
+                    ]
+        except (TierUnavailableError, TransferError) as exc:
+            log.warning(
+                "s3 tier %s: could not list the incomplete multipart uploads under %s/ (%s)",
+                self.name,
+                root,
+                exc,
+            )
+        aborted = await asyncio.gather(*(self._abort(k, u) for k, u in orphans))
+        self.counters["orphan_uploads_aborted"] += sum(aborted)
+        if orphans:
+            log.info(
+                "s3 tier %s: aborted %d of %d incomplete multipart uploads under %s/ older than "
+                "%g s",
+                self.name,
+                sum(aborted),
+                len(orphans),
+                root,
+                self.orphan_upload_age_s,
+            )
 
     async def _cleanup(self) -> None:
+        if self._aborts:  # each bounded by ABORT_TIMEOUT_S
+            await asyncio.wait(list(self._aborts))
         await self._stack.aclose()
         self._client = None
 
@@ -331,31 +439,66 @@ class S3Tier(SecondaryTier):
         return time.monotonic() >= self._down_until
 
     async def _send(self, op: str, **params: Any) -> dict[str, Any]:
-        """One S3 request (caller holds the semaphore); tracks whether the endpoint answers.
+        """One S3 request (caller holds the semaphore), refused without a request while the
+        endpoint is marked down.
 
         Raises:
-            TierUnavailableError: the endpoint is marked down.
-            BotoCoreError, ClientError: the request failed after botocore's retries.
+            TierUnavailableError: the endpoint is marked down, or was found unreachable now.
+            TransferError: the request failed after botocore's retries (:meth:`_backend`).
         """
         if not self._available():
             raise TierUnavailableError(f"s3 endpoint {self.endpoint} is down")
-        try:
+        return await self._request(op, **params)
+
+    async def _request(self, op: str, **params: Any) -> dict[str, Any]:
+        """One S3 request ``op`` on the bucket, through :meth:`_backend`; an answer marks the
+        endpoint up. Errors: as :meth:`_send`, without the check of a down endpoint."""
+        with self._backend(op):
             response: dict[str, Any] = await getattr(self._client, op)(Bucket=self.bucket, **params)
-        except EndpointConnectionError:
-            if not self._down_until:
-                log.warning(
-                    "s3 tier %s: endpoint %s unreachable; lookups miss and stores are dropped "
-                    "until it answers",
-                    self.name,
-                    self.endpoint,
-                )
-            self._down_until = time.monotonic() + DOWN_RETRY_S
-            raise
-        except ClientError:
-            self._mark_up()  # the endpoint answered
-            raise
         self._mark_up()
         return response
+
+    @contextlib.contextmanager
+    def _backend(self, op: str) -> Iterator[None]:
+        """The one boundary between the backend's exceptions and kvcascade's: every S3 request
+        and body read runs inside it, and an exception of :data:`_MEANINGS` leaves it translated.
+
+        * ``DOWN``: the endpoint is marked down for :data:`DOWN_RETRY_S` (docs/s3-tier.md,
+          "Failure behaviour") and :class:`TierUnavailableError` is raised;
+        * ``ANSWERED``: the endpoint is marked up; :class:`_NotFound` for a 404, else
+          :class:`TransferError`;
+        * ``FAILED``: :class:`TransferError`.
+
+        Messages name ``op`` and the S3 error code or the exception's type, never the backend's
+        own text (it holds request URLs). Any other exception (a bug) passes unchanged.
+        """
+        try:
+            yield
+        except Exception as exc:
+            meaning = next((m for kind, m in _MEANINGS if isinstance(exc, kind)), None)
+            if meaning is None:
+                raise
+            code = _error_code(exc)
+            if meaning is _Meaning.DOWN:
+                self._mark_down()
+                raise TierUnavailableError(
+                    f"s3 {op}: endpoint {self.endpoint} unreachable ({code})"
+                ) from exc
+            if meaning is _Meaning.ANSWERED:
+                self._mark_up()
+                if _is_not_found(exc):
+                    raise _NotFound(f"s3 {op}: {code}") from exc
+            raise TransferError(f"s3 {op} failed ({code})") from exc
+
+    def _mark_down(self) -> None:
+        if not self._down_until:
+            log.warning(
+                "s3 tier %s: endpoint %s unreachable; lookups miss and stores are dropped "
+                "until it answers",
+                self.name,
+                self.endpoint,
+            )
+        self._down_until = time.monotonic() + DOWN_RETRY_S
 
     def _mark_up(self) -> None:
         if self._down_until:
@@ -423,7 +566,7 @@ class S3Tier(SecondaryTier):
                 "bucket, unaccounted",
                 self.name,
                 len(failed),
-                _error_code(failed[0]),
+                failed[0],
             )
 
     async def _delete(self, key: bytes) -> None:
@@ -472,13 +615,11 @@ class S3Tier(SecondaryTier):
         if not failed:
             return sum(r for r in results if isinstance(r, int))
         i, first = failed[0]
-        if not isinstance(first, (*_IO_ERRORS, CorruptBlockError)):
+        if not isinstance(first, KVCascadeError):
             raise first
         bad = {j for j, _ in failed}
         succeeded = [k for j, k in enumerate(keys) if j not in bad]
-        raise TransferError(
-            f"s3 {kind} of block {i} failed: {_error_code(first)}: {first}", succeeded
-        ) from first
+        raise TransferError(f"s3 {kind} of block {i} failed: {first}", succeeded) from first
 
     async def _store_one(self, key: bytes, row: memoryview) -> int:
         if key in self._known:
@@ -487,7 +628,7 @@ class S3Tier(SecondaryTier):
         size = self.object_bytes
         victims = self._reserve(size)
         if victims is None:
-            raise OSError(f"block object of {size} bytes does not fit in max_bytes")
+            raise TransferError(f"block object of {size} bytes does not fit in max_bytes")
         try:
             if victims:
                 await self._evict(victims)
@@ -508,10 +649,11 @@ class S3Tier(SecondaryTier):
         return row.nbytes
 
     async def _put_multipart(self, object_key: str, parts: Sequence[memoryview]) -> None:
-        """Upload in parts of ``part_bytes`` (in order); abort the upload on any failure.
+        """Upload in parts of ``part_bytes`` (in order); abort the upload on any failure,
+        cancellation included (:meth:`_abort`).
 
         Raises:
-            BotoCoreError, ClientError, TierUnavailableError: a request failed (after the abort).
+            TierUnavailableError, TransferError: a request failed (after the abort).
         """
         async with self._sem:
             upload = await self._send("create_multipart_upload", Key=object_key)
@@ -539,20 +681,41 @@ class S3Tier(SecondaryTier):
             await self._abort(object_key, upload_id)
             raise
 
-    async def _abort(self, object_key: str, upload_id: str) -> None:
+    async def _abort(self, object_key: str, upload_id: str) -> bool:
+        """Abort a multipart upload in a task of its own that a cancellation of the caller does
+        not reach (``asyncio.shield``: a cancelled abort leaves the upload behind, aioboto3
+        #209), bounded by :data:`ABORT_TIMEOUT_S`; :meth:`_cleanup` waits for one still running
+        before the client closes. Sent even while the endpoint is marked down. A failure is
+        logged (the start-up sweep of a later run removes the upload).
+
+        Returns:
+            True if this request aborted the upload.
+
+        Raises:
+            asyncio.CancelledError: the caller was cancelled (the abort goes on).
+        """
+        task = asyncio.create_task(self._abort_now(object_key, upload_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+        return await asyncio.shield(task)
+
+    async def _abort_now(self, object_key: str, upload_id: str) -> bool:
         try:
-            async with self._sem:
-                await self._client.abort_multipart_upload(
-                    Bucket=self.bucket, Key=object_key, UploadId=upload_id
-                )
-        except _IO_ERRORS as exc:
+            async with asyncio.timeout(ABORT_TIMEOUT_S), self._sem:
+                await self._request("abort_multipart_upload", Key=object_key, UploadId=upload_id)
+        except _NotFound:
+            return False  # completed or aborted already
+        except (TierUnavailableError, TransferError, TimeoutError) as exc:
             log.warning(
-                "s3 tier %s: could not abort the multipart upload of %s (%s); a bucket "
-                "lifecycle rule AbortIncompleteMultipartUpload removes its parts",
+                "s3 tier %s: could not abort the multipart upload of %s (%s); the next "
+                "start-up (orphan_upload_age_s) or a bucket lifecycle rule "
+                "AbortIncompleteMultipartUpload removes its parts",
                 self.name,
                 object_key,
-                _error_code(exc),
+                str(exc) or "timed out",
             )
+            return False
+        return True
 
     async def _load_one(self, key: bytes, row: memoryview) -> int:
         if key in self._evicting:
@@ -563,9 +726,8 @@ class S3Tier(SecondaryTier):
             async with self._sem:
                 try:
                     answer = await self._send("get_object", Key=object_key)
-                except ClientError as exc:
-                    if _is_not_found(exc):
-                        self._forget(key)
+                except _NotFound:
+                    self._forget(key)
                     raise
                 header = memoryview(bytearray(HEADER_BYTES))
                 await self._read_body(answer, object_key, [header, row])
@@ -574,7 +736,7 @@ class S3Tier(SecondaryTier):
             self.counters["corrupt_blocks"] += 1
             self._forget(key)
             log.warning("s3 tier %s: %s; object deleted, block treated as a miss", self.name, exc)
-            with contextlib.suppress(*_IO_ERRORS):
+            with contextlib.suppress(TierUnavailableError, TransferError):
                 await self._delete(key)
             raise
         finally:
@@ -592,6 +754,8 @@ class S3Tier(SecondaryTier):
 
         Raises:
             CorruptBlockError: the object is not ``object_bytes`` long.
+            TransferError: the body broke off or stalled (:meth:`_backend`; the endpoint is not
+                marked down: it answered).
         """
         body = answer["Body"]
         complete = False
@@ -602,13 +766,14 @@ class S3Tier(SecondaryTier):
                     f"{object_key}: object is {length} bytes, expected {self.object_bytes}"
                 )
             pad = self.object_bytes - sum(t.nbytes for t in targets)
-            for target in [*targets, memoryview(bytearray(pad))]:
-                filled = 0
-                while filled < target.nbytes:
-                    n = await body.readinto(target[filled:])
-                    if not n:
-                        raise CorruptBlockError(f"{object_key}: short object")
-                    filled += n
+            with self._backend("get_object body"):
+                for target in [*targets, memoryview(bytearray(pad))]:
+                    filled = 0
+                    while filled < target.nbytes:
+                        n = await body.readinto(target[filled:])
+                        if not n:
+                            raise CorruptBlockError(f"{object_key}: short object")
+                        filled += n
             complete = True
         finally:
             if not complete:
@@ -620,7 +785,7 @@ class S3Tier(SecondaryTier):
         answers = await asyncio.gather(*(self._head(k) for k in keys), return_exceptions=True)
         errors = [a for a in answers if isinstance(a, BaseException)]
         if errors:
-            if not isinstance(errors[0], _IO_ERRORS):
+            if not isinstance(errors[0], KVCascadeError):
                 raise errors[0]
             self.counters["probe_errors"] += len(errors)
             log.warning(
@@ -628,7 +793,7 @@ class S3Tier(SecondaryTier):
                 self.name,
                 len(errors),
                 len(keys),
-                _error_code(errors[0]),
+                errors[0],
             )
         return [a is True for a in answers]
 
@@ -639,10 +804,8 @@ class S3Tier(SecondaryTier):
         try:
             async with self._sem:
                 answer = await self._send("head_object", Key=self.object_key(key))
-        except ClientError as exc:
-            if _is_not_found(exc):
-                return False
-            raise
+        except _NotFound:
+            return False
         self._remember(key, int(answer.get("ContentLength") or self.object_bytes))
         return True
 
@@ -662,6 +825,7 @@ _CONFIG_KEYS = {
     "max_attempts",
     "multipart_threshold_bytes",
     "max_bytes",
+    "orphan_upload_age_s",
     "cache_salt",
     "name",
     "io_timeout_s",
@@ -677,7 +841,9 @@ def s3_tier_from_config(host: HostBuffer, mapper: FileMapper, cfg: dict[str, Any
     none), ``access_key`` + ``secret_key`` (+ ``session_token``) (default: the credential chain),
     ``addressing_style`` (``auto``), ``max_concurrency`` (16), ``connect_timeout_s`` (5),
     ``read_timeout_s`` (30), ``max_attempts`` (3), ``multipart_threshold_bytes`` (8 MiB),
-    ``max_bytes`` (unbounded), ``cache_salt`` (tenant salt folded into the namespace), ``name``
+    ``max_bytes`` (unbounded), ``orphan_upload_age_s`` (3600: incomplete multipart uploads of the
+    namespace older than this are aborted at start-up; 0: all of them), ``cache_salt`` (tenant
+    salt folded into the namespace), ``name``
     (``"s3"``), ``io_timeout_s`` (30 s per job), ``max_queued_jobs`` (1024).
 
     Raises:
@@ -736,6 +902,7 @@ def s3_tier_from_config(host: HostBuffer, mapper: FileMapper, cfg: dict[str, Any
         max_attempts=integer("max_attempts", 3),
         multipart_threshold_bytes=integer("multipart_threshold_bytes", 8 * 1024 * 1024),
         max_bytes=integer("max_bytes", 0) if cfg.get("max_bytes") is not None else None,
+        orphan_upload_age_s=cfg.get("orphan_upload_age_s", 3600.0),
         name=cfg.get("name") or "s3",
         io_timeout_s=seconds("io_timeout_s", 30.0),
         max_queued_jobs=integer("max_queued_jobs", 1024),

@@ -1,0 +1,233 @@
+"""The awaitable API of :class:`kvcascade.Cascade` where its parts meet (issue #14): a request's
+lifecycle across the coordinator and the cascade, start-up and misuse. Each test is named after
+the defect it keeps fixed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+import kvcascade as kc
+
+
+def key(i: int) -> bytes:
+    return kc.make_offload_key(i.to_bytes(8, "big"), 0)
+
+
+class GatedTier(kc.MemoryTier):
+    """A memory tier whose promotions wait until the test opens :attr:`gate`."""
+
+    gate = threading.Event()
+
+    def _load_blocks(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
+        self.gate.wait(10)
+        return super()._load_blocks(keys, rows)
+
+
+def config(cpu_blocks: int, tier: dict | None = None, gpu_blocks: int = 8) -> kc.CascadeConfig:
+    return kc.CascadeConfig(
+        block_bytes=64,
+        gpu_blocks=gpu_blocks,
+        cpu_blocks=cpu_blocks,
+        secondary_tiers=[tier or {"type": "memory"}],
+    )
+
+
+async def offload(cascade: kc.Cascade, keys: list[bytes], gpu_ids: list[int]) -> None:
+    """Store ``keys`` from ``gpu_ids`` (block i holds byte ``gpu_ids[i]``), wait for the cascade,
+    then push them out of the primary by storing as many filler keys."""
+    for k, g in zip(keys, gpu_ids):
+        cascade.device.kv[g] = g
+        ctx = kc.ReqContext(f"writer-{k.hex()}")
+        assert (await cascade.store([k], ctx, [g])).stored == [k]
+        await cascade.wait_cascades()
+        cascade.finish_request(ctx)
+    filler = kc.ReqContext("filler")
+    for i in range(cascade.primary.num_blocks):
+        await cascade.store([key(1000 + i)], filler, [7])
+        await cascade.wait_cascades()
+    cascade.finish_request(filler)
+    assert all(cascade.primary.get_block(k) is None for k in keys)
+
+
+def assert_idle(cascade: kc.Cascade) -> None:
+    """No pin, no reservation, no quarantined slot is left in the primary tier."""
+    primary = cascade.primary
+    assert primary.num_write_pending == 0
+    assert primary.num_free + primary.num_evictable == primary.num_blocks
+
+
+async def test_aborted_request_releases_its_promotion_reservations() -> None:
+    """Defect 1 (vLLM PR #52571): finish_request after lookup_prefix and before load submits
+    the queued promotion, so the reserved slot is not held forever and a later store fits."""
+    async with kc.open_cascade(config(cpu_blocks=1)) as cascade:
+        await offload(cascade, [key(1)], [1])
+        aborted = kc.ReqContext("aborted")
+        found = await cascade.lookup_prefix([key(1)], aborted)
+        assert found.tiers == ["memory"]  # a primary slot is reserved for its promotion
+        cascade.finish_request(aborted)
+        assert cascade.coordinator.has_pending_work()
+        await asyncio.wait(cascade.coordinator.job_futures())
+        cascade.coordinator.poll_now()
+        assert_idle(cascade)
+        assert bytes(cascade.host.row(cascade.primary.get_block(key(1)).block_id)) == b"\1" * 64
+        later = kc.ReqContext("later")
+        assert (await cascade.store([key(2)], later, [2])).stored == [key(2)]
+        cascade.finish_request(later)
+
+
+async def test_a_key_given_twice_in_one_call_is_refused() -> None:
+    """Defect 2 (LMCache #2954): a key given twice would be pinned once and unpinned twice;
+    every call refuses it with the key named, before any state changes."""
+    async with kc.open_cascade(config(cpu_blocks=4)) as cascade:
+        ctx = kc.ReqContext("a")
+        cascade.device.kv[1] = 1
+        assert (await cascade.store([key(1)], ctx, [1])).stored == [key(1)]
+        pinned = cascade.primary.get_block(key(1)).ref_cnt  # the cascade's pin
+        for call in (
+            cascade.lookup_prefix([key(1), key(1)], ctx),
+            cascade.load([key(1), key(1)], ctx, [2, 3]),
+            cascade.store([key(2), key(2)], ctx, [2, 3]),
+        ):
+            with pytest.raises(ValueError, match="offload keys given more than once"):
+                await call
+        with pytest.raises(ValueError, match="given more than once"):
+            cascade.touch([key(1), key(1)], ctx)
+        assert cascade.primary.get_block(key(1)).ref_cnt == pinned
+        assert cascade.primary.get_block(key(2)) is None
+        await cascade.wait_cascades()
+        cascade.finish_request(ctx)
+        assert_idle(cascade)
+
+
+async def test_store_from_a_block_a_load_is_filling_waits_for_the_load() -> None:
+    """Defect 5 (vLLM #46951), awaitable API: a store from GPU block 3 while a load is filling
+    it copies the loaded bytes, never the block's previous content."""
+    gated = {"type": "GatedTier", "module_path": "test_cascade", "name": "gated"}
+    async with kc.open_cascade(config(cpu_blocks=2, tier=gated)) as cascade:
+        GatedTier.gate.set()
+        await offload(cascade, [key(1)], [1])
+        GatedTier.gate.clear()
+        reader = kc.ReqContext("reader")
+        found = await cascade.lookup_prefix([key(1)], reader)
+        cascade.device.kv[3] = 99  # what block 3 held before the load
+        load = asyncio.create_task(cascade.load(found.keys, reader, [3]))
+        await asyncio.sleep(0.05)  # the promotion waits at the gate
+        writer = kc.ReqContext("writer")
+        store = asyncio.create_task(cascade.store([key(2)], writer, [3]))
+        await asyncio.sleep(0.05)
+        assert not store.done()  # waits for the load filling its source block
+        GatedTier.gate.set()
+        assert (await load).loaded == 1
+        assert (await store).stored == [key(2)]
+        row = cascade.host.row(cascade.primary.get_block(key(2)).block_id)
+        assert bytes(row) == b"\1" * 64  # the loaded bytes, not 99
+        await cascade.wait_cascades()
+        cascade.finish_request(reader)
+        cascade.finish_request(writer)
+        assert_idle(cascade)
+
+
+class UnreachableTier(kc.MemoryTier):
+    """A memory tier whose start-up fails, as an S3 tier's does when its endpoint is down."""
+
+    async def _startup(self) -> None:
+        raise kc.TierUnavailableError("endpoint not reachable")
+
+
+async def test_failed_start_of_a_second_tier_stops_the_first() -> None:
+    """Defect 10: when the second tier fails to start, start_tier_actors (and so open_cascade)
+    raises with the first tier's actor already stopped and closed, not left running."""
+    host = kc.HostBuffer(4, 64)
+    try:
+        first = kc.MemoryTier(host)
+        with pytest.raises(kc.TierUnavailableError, match="not reachable"):
+            await kc.start_tier_actors([first, UnreachableTier(host, name="down")])
+        assert [t for t in asyncio.all_tasks() if t.get_name().startswith("kvcascade-")] == []
+        with pytest.raises(kc.TierUnavailableError):
+            first.submit_store(kc.TransferJob(0, [key(1)], [0], False))
+    finally:
+        host.close()
+    cfg = kc.CascadeConfig(
+        block_bytes=64,
+        gpu_blocks=4,
+        cpu_blocks=4,
+        secondary_tiers=[
+            {"type": "memory"},
+            {"type": "UnreachableTier", "module_path": "test_cascade", "name": "down"},
+        ],
+    )
+    with pytest.raises(kc.TierUnavailableError, match="not reachable"):
+        async with kc.open_cascade(cfg):
+            raise AssertionError("must not start")
+    assert [t for t in asyncio.all_tasks() if t.get_name().startswith("kvcascade-")] == []
+
+
+async def test_a_cascade_that_was_never_opened_refuses_every_call() -> None:
+    """Defect 10: a Cascade built directly (its actors never ran) refuses store/load/lookup with
+    a clear error at the entry, before anything is pinned or reserved."""
+    cascade = kc.Cascade(config(cpu_blocks=2))
+    try:
+        ctx = kc.ReqContext("a")
+        for call in (
+            cascade.store([key(1)], ctx, [0]),
+            cascade.lookup_prefix([key(1)], ctx),
+            cascade.load([key(1)], ctx, [0]),
+        ):
+            with pytest.raises(RuntimeError, match="open_cascade"):
+                await call
+        assert cascade.primary.get_block(key(1)) is None
+        assert cascade.primary.num_free == 2
+    finally:
+        cascade.coordinator.shutdown()
+        cascade._release()
+
+
+async def test_a_failed_device_load_is_counted() -> None:
+    """Defect 11: a CPU→GPU copy that fails is reported as failed keys and counted."""
+    async with kc.open_cascade(config(cpu_blocks=2, gpu_blocks=4)) as cascade:
+        ctx = kc.ReqContext("a")
+        cascade.device.kv[1] = 1
+        await cascade.store([key(1)], ctx, [1])
+        await cascade.wait_cascades()
+        kv = cascade.device.kv
+        cascade.device.kv = torch.zeros((4, 32), dtype=torch.int8)  # rows too short: no plan
+        try:
+            found = await cascade.lookup_prefix([key(1)], ctx)
+            result = await cascade.load(found.keys, ctx, [2])
+        finally:
+            cascade.device.kv = kv
+        assert result.loaded == 0 and result.failed_keys == [key(1)]
+        assert cascade.counters["load_failed_blocks"] == 1
+        cascade.finish_request(ctx)
+        assert_idle(cascade)
+
+
+async def test_store_of_more_keys_than_the_cpu_tier_holds_stores_what_fits(caplog) -> None:
+    """Issue #21 item 3: store() of 6 keys into a 4-slot CPU tier stores the leading 4 and
+    drops 2 (counted, in the result, logged once as a warning), instead of dropping all 6."""
+    caplog.set_level(logging.DEBUG, logger="kvcascade.cascade")
+    async with kc.open_cascade(config(cpu_blocks=4)) as cascade:
+        ctx = kc.ReqContext("a")
+        keys = [key(i) for i in range(6)]
+        for g in range(6):
+            cascade.device.kv[g] = g
+        result = await cascade.store(keys, ctx, list(range(6)))
+        assert result.stored == keys[:4] and result.dropped == 2
+        assert cascade.counters["store_dropped_blocks"] == 2
+        for i, k in enumerate(keys[:4]):
+            assert bytes(cascade.host.row(cascade.primary.get_block(k).block_id)) == bytes([i]) * 64
+        await cascade.wait_cascades()
+        again = await cascade.store([key(10 + i) for i in range(6)], ctx, list(range(6)))
+        assert len(again.stored) == 4 and again.dropped == 2  # the first 4 were evicted
+        assert cascade.counters["store_dropped_blocks"] == 4
+        warnings = [r.levelname for r in caplog.records if "store dropped" in r.getMessage()]
+        assert warnings == ["WARNING", "DEBUG"]
+        await cascade.wait_cascades()
+        cascade.finish_request(ctx)
+        assert_idle(cascade)
