@@ -27,7 +27,9 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from hypothesis import HealthCheck, settings
@@ -102,20 +104,20 @@ class CascadeModel(RuleBasedStateMachine):
         self.damaged: set[bytes] = set()  # fs files the test truncated or corrupted
         self.n = 0
 
-    def run(self, coro: object) -> object:
-        return self.loop.run_until_complete(coro)  # type: ignore[arg-type]
+    def run(self, aw: Awaitable[Any]) -> Any:
+        return self.loop.run_until_complete(aw)
 
     # -- lifecycle -------------------------------------------------------------------------
     @initialize(
         cpu_blocks=st.integers(1, 6),
         max_files=st.sampled_from([None, 2, 4]),
-        write_timeout=st.sampled_from([None, 0.15]),
+        write_timeout=st.sampled_from([None, 0.05]),
     )
     def start(self, cpu_blocks: int, max_files: int | None, write_timeout: float | None) -> None:
         fs: dict[str, object] = {"type": "fs", "root_dir": self.root, "io_threads": 2}
         if max_files is not None:
             fs["max_bytes"] = max_files * file_size(BLOCK)
-        mem = {"type": "FaultyTier", "module_path": __name__, "name": "mem", "io_timeout_s": 0.3}
+        mem = {"type": "FaultyTier", "module_path": __name__, "name": "mem", "io_timeout_s": 0.1}
         self.config = kc.CascadeConfig(
             block_bytes=BLOCK,
             gpu_blocks=GPU_ROWS,
@@ -129,10 +131,11 @@ class CascadeModel(RuleBasedStateMachine):
         self.stack = contextlib.AsyncExitStack()
         self.cascade: kc.Cascade = self.run(
             self.stack.enter_async_context(kc.open_cascade(self.config))
-        )  # type: ignore[assignment]
+        )
         self.fs: kc.FileSystemTier = self.cascade.tiers[0]  # type: ignore[assignment]
         self.mem: FaultyTier = self.cascade.tiers[1]  # type: ignore[assignment]
         self.labels = [None] * GPU_ROWS
+        self.rules_since_restart = 0
 
     def _request(self, i: int) -> Request:
         while len(self.reqs) <= i:
@@ -201,7 +204,7 @@ class CascadeModel(RuleBasedStateMachine):
         if req.op is not None:
             return
         try:
-            out: kc.PrefixLookup = self.run(self.cascade.lookup_prefix(keys, req.ctx))  # type: ignore[assignment]
+            out: kc.PrefixLookup = self.run(self.cascade.lookup_prefix(keys, req.ctx))
         except (ValueError, TypeError):
             assert _duplicated(keys), "lookup_prefix failed without keys given twice"
             return
@@ -269,9 +272,7 @@ class CascadeModel(RuleBasedStateMachine):
         other = self._new_ctx()
         self.provisional.add(key)
         try:
-            out: kc.StoreResult = self.run(
-                self.cascade.store([key], other.ctx, [op.rows[i]])
-            )  # type: ignore[assignment]
+            out: kc.StoreResult = self.run(self.cascade.store([key], other.ctx, [op.rows[i]]))
         except (ValueError, TypeError):  # a clear refusal of rows being loaded is fine
             out = kc.StoreResult()
         self.cascade.finish_request(other.ctx)
@@ -301,7 +302,10 @@ class CascadeModel(RuleBasedStateMachine):
 
     @rule(i=st.integers(0, 2), keys=st.lists(st.sampled_from(ALL_KEYS), min_size=1, max_size=4))
     def touch(self, i: int, keys: list[bytes]) -> None:
-        self.cascade.touch(keys, self._request(i).ctx)
+        try:
+            self.cascade.touch(keys, self._request(i).ctx)
+        except (ValueError, TypeError):
+            assert _duplicated(keys), "touch failed without keys given twice"
 
     @rule(i=st.integers(0, 2))
     def finish(self, i: int) -> None:
@@ -313,37 +317,38 @@ class CascadeModel(RuleBasedStateMachine):
         self.reqs[i] = self._new_ctx()
 
     # -- faults ----------------------------------------------------------------------------
-    @rule(key=st.sampled_from(ALL_KEYS), how=st.sampled_from(["delete", "truncate", "corrupt"]))
-    def damage_file(self, key: bytes, how: str) -> None:
-        path = self.fs.path_of(key)
-        if not os.path.exists(path):
-            return
-        if how == "delete":
-            os.unlink(path)
-            return
-        with open(path, "r+b") as f:
-            if how == "truncate":
-                f.truncate(HEADER_BYTES + BLOCK // 2)
-            else:
-                f.seek(HEADER_BYTES + 7)
-                f.write(b"\xff\x00\xff")
-        self.damaged.add(key)
+    @rule(
+        key=st.sampled_from(ALL_KEYS),
+        fault=st.sampled_from(
+            ["delete", "truncate", "corrupt", "drop", "fail", "stall", "release", "release"]
+        ),
+    )
+    def fault(self, key: bytes, fault: str) -> None:
+        """Damage ``key``'s block file (delete, truncate: a short read, corrupt bytes), drop it
+        from the memory tier, script the memory tier's next job to fail (EIO-like) or stall
+        past its deadline, or release the stalled jobs."""
+        if fault in ("fail", "stall"):
+            self.mem.modes.append(fault)
+        elif fault == "release":
+            self.mem.release.set()
+            self.mem.modes.clear()
+            self.run(asyncio.sleep(0.01))
+            self.mem.release.clear()
+        elif fault == "drop":
+            self.mem.blocks.pop(key, None)
+        elif os.path.exists(path := self.fs.path_of(key)):
+            if fault == "delete":
+                os.unlink(path)
+                return
+            with open(path, "r+b") as f:
+                if fault == "truncate":
+                    f.truncate(HEADER_BYTES + BLOCK // 2)
+                else:
+                    f.seek(HEADER_BYTES + 7)
+                    f.write(b"\xff\x00\xff")
+            self.damaged.add(key)
 
-    @rule(mode=st.sampled_from(["ok", "fail", "stall"]))
-    def script_memory_tier(self, mode: str) -> None:
-        self.mem.modes.append(mode)
-
-    @rule(key=st.sampled_from(ALL_KEYS))
-    def drop_memory_block(self, key: bytes) -> None:
-        self.mem.blocks.pop(key, None)
-
-    @rule()
-    def release_stalls(self) -> None:
-        self.mem.release.set()
-        self.mem.modes.clear()
-        self.run(asyncio.sleep(0.01))
-        self.mem.release.clear()
-
+    @precondition(lambda self: self.rules_since_restart >= 20)
     @rule()
     def restart(self) -> None:
         """Drain, check, close the cascade, and open a new one on the same fs directory."""
@@ -367,7 +372,10 @@ class CascadeModel(RuleBasedStateMachine):
                 self.run(tier.drain())
             self.run(asyncio.sleep(0.01))
             cascade.coordinator.poll_now()
-            if not cascade.coordinator.has_pending_work() and not self.mem.counters["stuck_threads"]:
+            if (
+                not cascade.coordinator.has_pending_work()
+                and not self.mem.counters["stuck_threads"]
+            ):
                 break
         self.mem.release.clear()
         primary = cascade.primary
@@ -381,6 +389,8 @@ class CascadeModel(RuleBasedStateMachine):
             "nor tracked (quarantined) after the cascades drained"
         )
         if self.fs.max_bytes is not None:
+            # A file deleted from outside leaves the index when a probe finds it gone.
+            self.run(self.fs.contains(ALL_KEYS))
             on_disk = sum(
                 os.path.getsize(os.path.join(d, f))
                 for d, _, files in os.walk(self.fs.data_dir)
@@ -401,6 +411,7 @@ class CascadeModel(RuleBasedStateMachine):
     def stored_bytes_are_the_keys_bytes(self) -> None:
         if self.stack is None:
             return
+        self.rules_since_restart += 1
         skip = self.tainted | self.provisional
         primary = self.cascade.primary
         host = self.cascade.host

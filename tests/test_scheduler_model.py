@@ -29,8 +29,9 @@ import asyncio
 import hashlib
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from hypothesis import HealthCheck, settings
@@ -138,8 +139,8 @@ class SchedulerModel(RuleBasedStateMachine):
         self.actors: list[asyncio.Task[None]] = []
         self.host: kc.HostBuffer | None = None
 
-    def run(self, coro: object) -> object:
-        return self.loop.run_until_complete(coro)  # type: ignore[arg-type]
+    def run(self, aw: Awaitable[Any]) -> Any:
+        return self.loop.run_until_complete(aw)
 
     @initialize(cpu_blocks=st.integers(2, 6))
     def start(self, cpu_blocks: int) -> None:
