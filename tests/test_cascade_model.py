@@ -16,7 +16,11 @@ ready primary row, every memory-tier block and every fs block file holds the byt
 (a write in flight is never readable); no call raises but a ``ValueError``/``TypeError`` for
 keys given twice. After all requests finished and the cascades drained (before a restart and at
 the end): no pin, no reservation and no quarantined slot is left in the primary tier, and the
-bounded fs tier's ``used_bytes`` equals the bytes of its block files on disk.
+bounded fs tier's ``used_bytes`` equals the bytes of its block files on disk (after a probe of
+every key, which drops the index entries of files deleted from outside).
+
+The default run is deterministic (``derandomize``); ``KVCASCADE_MODEL_EXAMPLES=<n>`` runs ``n``
+random examples instead.
 """
 
 from __future__ import annotations
@@ -98,7 +102,6 @@ class CascadeModel(RuleBasedStateMachine):
         self.stack: contextlib.AsyncExitStack | None = None
         self.reqs: list[Request] = []
         self.ops: list[Op] = []
-        self.labels: list[bytes | None] = [None] * GPU_ROWS  # key whose bytes a GPU row holds
         self.tainted: set[bytes] = set()  # keys whose bytes the test cannot know
         self.provisional: set[bytes] = set()  # stored from rows a load in flight fills
         self.damaged: set[bytes] = set()  # fs files the test truncated or corrupted
@@ -134,7 +137,6 @@ class CascadeModel(RuleBasedStateMachine):
         )
         self.fs: kc.FileSystemTier = self.cascade.tiers[0]  # type: ignore[assignment]
         self.mem: FaultyTier = self.cascade.tiers[1]  # type: ignore[assignment]
-        self.labels = [None] * GPU_ROWS
         self.rules_since_restart = 0
 
     def _request(self, i: int) -> Request:
@@ -153,33 +155,24 @@ class CascadeModel(RuleBasedStateMachine):
 
     # -- results ---------------------------------------------------------------------------
     def _loaded(self, op_keys: list[bytes], rows: list[int], result: kc.LoadResult) -> None:
-        """Check the rows a load filled; record what every row holds now."""
+        """Every GPU row a load reports filled holds the bytes of its key."""
         kv = self.cascade.device.kv
-        for i, (key, row) in enumerate(zip(op_keys, rows)):
-            if i < result.loaded:
-                got = kv[row].numpy().tobytes()
-                unknown = key in self.tainted or key in self.provisional
-                if not unknown:
-                    assert got == payload(key), (
-                        f"load of {key.hex()[:8]} into GPU row {row} delivered other bytes "
-                        "than were stored under that key"
-                    )
-                self.labels[row] = None if unknown else key
-            elif result.loaded == 0:
-                self.labels[row] = None  # a failed device copy may have written some rows
+        skip = self.tainted | self.provisional
+        for key, row in list(zip(op_keys, rows))[: result.loaded]:
+            if key not in skip:
+                assert kv[row].numpy().tobytes() == payload(key), (
+                    f"load of {key.hex()[:8]} into GPU row {row} delivered other bytes than "
+                    "were stored under that key"
+                )
 
     def _finish_op(self, op: Op, cancelled: bool = False) -> None:
         self.ops.remove(op)
         op.req.op = None
         loaded = 0
-        if op.kind == "load":
-            if cancelled:
-                for row in op.rows:
-                    self.labels[row] = None
-            else:
-                result: kc.LoadResult = op.task.result()  # type: ignore[assignment]
-                self._loaded(op.keys, op.rows, result)
-                loaded = result.loaded
+        if op.kind == "load" and not cancelled:
+            result: kc.LoadResult = op.task.result()
+            self._loaded(op.keys, op.rows, result)
+            loaded = result.loaded
         for key, i in op.aliases.items():  # stored from our rows while we filled them
             self.provisional.discard(key)
             if cancelled or i >= loaded:
@@ -246,7 +239,6 @@ class CascadeModel(RuleBasedStateMachine):
         kv = self.cascade.device.kv
         for key, row in zip(keys, picked):  # the forward pass computes the KV
             kv[row] = torch.frombuffer(bytearray(payload(key)), dtype=torch.int8)
-            self.labels[row] = key
         task = self.loop.create_task(self.cascade.store(keys, req.ctx, picked))
         op = Op("store", req, keys, picked, task)
         self.ops.append(op)
@@ -391,12 +383,12 @@ class CascadeModel(RuleBasedStateMachine):
         if self.fs.max_bytes is not None:
             # A file deleted from outside leaves the index when a probe finds it gone.
             self.run(self.fs.contains(ALL_KEYS))
-            on_disk = sum(
-                os.path.getsize(os.path.join(d, f))
-                for d, _, files in os.walk(self.fs.data_dir)
-                for f in files
-                if f.endswith(".bin")
-            )
+            on_disk = 0
+            for key in ALL_KEYS:
+                with contextlib.suppress(FileNotFoundError):
+                    size = os.path.getsize(self.fs.path_of(key))
+                    # a file truncated by the test counts as written until the tier reads it
+                    on_disk += file_size(BLOCK) if key in self.damaged else size
             assert self.fs.used_bytes == on_disk, (
                 f"fs tier counts {self.fs.used_bytes} B of block files, {on_disk} B on disk"
             )

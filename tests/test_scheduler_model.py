@@ -21,6 +21,9 @@ every ready primary row and every tier block holds the bytes of its key; a promo
 for a request is a hit at that request's next lookup; a request's store cursor passes a chunk
 only if the chunk is stored, being written, or its own write of it failed — never leaving a
 hole when another request's write of a shared chunk fails.
+
+The default run is deterministic (``derandomize``); ``KVCASCADE_MODEL_EXAMPLES=<n>`` runs ``n``
+random examples instead.
 """
 
 from __future__ import annotations
@@ -176,20 +179,24 @@ class SchedulerModel(RuleBasedStateMachine):
     # -- rules -------------------------------------------------------------------------------
     @rule(
         family=st.sampled_from(FAMILIES),
-        chunks=st.integers(1, 3),
-        tail=st.integers(1, T - 1),
+        sizes=st.lists(st.tuples(st.integers(1, 3), st.integers(1, T - 1)), min_size=1, max_size=3),
         max_new=st.integers(1, 3),
-        foreign=st.booleans(),
+        foreign=st.sampled_from([False, False, True]),
     )
-    def add_request(self, family: str, chunks: int, tail: int, max_new: int, foreign: bool) -> None:
-        if len(self.reqs) >= 12:
-            return
-        rid = f"r{len(self.reqs)}"
-        req = Request(rid, rid if foreign else family, chunks * T + tail, max_new, foreign)
-        self.reqs.append(req)
-        self.waiting.append(req)
-        if not foreign:
-            self.sched.on_new_request(req)
+    def add_requests(
+        self, family: str, sizes: list[tuple[int, int]], max_new: int, foreign: bool
+    ) -> None:
+        """A burst of requests whose prompts share the family's leading tokens (``chunks`` full
+        chunks plus ``tail`` tokens each); ``foreign``: owned by another connector."""
+        for chunks, tail in sizes:
+            if len(self.reqs) >= 12:
+                return
+            rid = f"r{len(self.reqs)}"
+            req = Request(rid, rid if foreign else family, chunks * T + tail, max_new, foreign)
+            self.reqs.append(req)
+            self.waiting.append(req)
+            if not foreign:
+                self.sched.on_new_request(req)
 
     @rule(mode=st.sampled_from(["ok", "fail"]))
     def script_tier(self, mode: str) -> None:
