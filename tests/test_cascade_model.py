@@ -46,7 +46,7 @@ from kvcascade.tiers.fs import HEADER_BYTES, file_size
 
 BLOCK = 512  # KV bytes of one block
 GPU_ROWS = 8
-HASHES = [hashlib.sha256(b"h%d" % i).digest()[:16] for i in range(6)]
+HASHES = [hashlib.sha256(b"h%d" % i).digest()[:16] for i in range(4)]
 KEYS = [kc.make_offload_key(h, 0) for h in HASHES]
 
 
@@ -191,11 +191,18 @@ class CascadeModel(RuleBasedStateMachine):
         self._finish_op(op)
 
     # -- rules -----------------------------------------------------------------------------
-    @rule(i=st.integers(0, 2), keys=st.lists(st.sampled_from(ALL_KEYS), min_size=1, max_size=4))
-    def lookup(self, i: int, keys: list[bytes]) -> None:
+    @rule(
+        i=st.integers(0, 2),
+        keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3),
+        repeat=st.booleans(),
+    )
+    def lookup(self, i: int, keys: list[bytes], repeat: bool) -> None:
+        """``repeat``: the first key is given twice (``[K, K, ...]``)."""
         req = self._request(i)
         if req.op is not None:
             return
+        if repeat:
+            keys = [keys[0], *keys]
         try:
             out: kc.PrefixLookup = self.run(self.cascade.lookup_prefix(keys, req.ctx))
         except (ValueError, TypeError):
@@ -225,7 +232,7 @@ class CascadeModel(RuleBasedStateMachine):
 
     @rule(
         i=st.integers(0, 2),
-        keys=st.lists(st.sampled_from(ALL_KEYS), min_size=1, max_size=3),
+        keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3),
         rows=st.permutations(range(GPU_ROWS)),
         background=st.booleans(),
     )
@@ -292,7 +299,7 @@ class CascadeModel(RuleBasedStateMachine):
         else:
             self._await(op)
 
-    @rule(i=st.integers(0, 2), keys=st.lists(st.sampled_from(ALL_KEYS), min_size=1, max_size=4))
+    @rule(i=st.integers(0, 2), keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3))
     def touch(self, i: int, keys: list[bytes]) -> None:
         try:
             self.cascade.touch(keys, self._request(i).ctx)
