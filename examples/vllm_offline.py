@@ -21,26 +21,37 @@ def main() -> None:
     parser.add_argument("--model", help="model directory")
     parser.add_argument("--tiny", action="store_true", help="write a tiny random Llama and use it")
     args = parser.parse_args()
+
+    model = args.model
+    with tempfile.TemporaryDirectory(prefix="tiny-llama-") as tiny:  # removed at exit
+        if args.tiny or not model:
+            _write_tiny_llama(tiny)
+            model = tiny
+        _run(model, dummy=args.tiny or not args.model)
+
+
+def _write_tiny_llama(path: str) -> None:
+    """A 2-layer Llama config (random weights come from ``load_format="dummy"``)."""
+    import transformers
+
+    transformers.LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        max_position_embeddings=512,
+    ).save_pretrained(path)
+
+
+def _run(model: str, dummy: bool) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    model = args.model
-    if args.tiny or not model:
-        import transformers
-
-        model = tempfile.mkdtemp(prefix="tiny-llama-")
-        transformers.LlamaConfig(
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=1000,
-            max_position_embeddings=512,
-        ).save_pretrained(model)
     llm = LLM(
         model=model,
-        load_format="dummy" if args.tiny or not args.model else "auto",
+        load_format="dummy" if dummy else "auto",
         skip_tokenizer_init=True,
         enforce_eager=True,
         block_size=32,

@@ -11,21 +11,22 @@
 // never holds rows:
 //   fs_store_open    per block: the file exists -> kExists (nothing to write); else open
 //                    <path><suffix> O_CREAT|O_EXCL 0600 (creating the two parent directories 0700
-//                    on ENOENT) -> its fd
+//                    on ENOENT) -> its fd; a block that cannot be opened -> kFailed
 // where <path> = <prefix><hhh>/<hh>_g<group>/<hex>.bin is built here from the offload key and
 // resolved from the namespace directory <prefix>, opened once per call (struct Dir)
 // (block_path: kvcascade.tiers._file_mapper.FileMapper.relative_path after the namespace; the tier
 // checks the two agree before it uses this path).
-//   fs_store_write   per opened block: xxh3 of the payload, header, write header + span
+//   fs_store_write   per opened block (fd >= 0; the others are skipped): xxh3 of the payload,
+//                    header, write header + span; a failed write leaves its fd open (abort it)
 //   fs_store_commit  per opened block: with mtime_ns > 0 set its mtime (block i: mtime_ns + i, so
 //                    that a restart orders the files as written:
 //                    kvcascade.tiers.fs.FileSystemTier._stamps), close, rename the temp file onto
-//                    <path>
+//                    <path>; a failed block is closed and its temp file unlinked
 // Without the existence check in fs_store_open (the tier keeps no size index), commit renames
 // with RENAME_NOREPLACE instead: an existing file is kept and the temp file dropped, the same
 // outcome as checking first, without a lookup of every new name before its write (a lookup
 // that misses takes the directory lock and waits behind concurrent creates and renames).
-//   fs_store_abort   close and unlink temp files (error paths)
+//   fs_store_abort   close and unlink temp files (failed writes, blocks not committed)
 // A load job is two calls: fs_load_open (open every file) then fs_load_read (read header + span
 // straight into the row, verify; closes every fd it is given).
 //
@@ -37,10 +38,14 @@
 // a span of at most piece_bytes, each block is one vectored write or read of header + span,
 // hashed right before the write or after the read.
 //
-// Every batch op returns (values, error kind, message) and never throws (kvc_result.h). values has
-// one entry per block done; on an error it has one more, for the failing block (so the failing
-// index is values.size() - 1): its errno for kOsError (message "<call>:<file>"), 0 for kCorrupt
-// (message: what is wrong). Batches stop at the first failing block.
+// No op throws (kvc_result.h). A store op goes on after a failing block, so that a store job
+// writes every block it can: it returns (values, errnos, error kind, message) with one value and
+// one errno per block; a failed block has value kFailed and its errno, and the message is
+// "<call>:<file>" of the first failed block (struct Blocks). A load op stops at its first failing
+// block, since a prefix is useless after its first gap: it returns (values, error kind, message)
+// where values has one entry per block done, and on an error one more, for the failing block (so
+// the failing index is values.size() - 1): its errno for kOsError (message "<call>:<file>"), 0
+// for kCorrupt (message: what is wrong). fs_store_abort returns (unlink errno per block, kOk, "").
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -98,6 +103,7 @@ constexpr size_t kFieldBytes = 32;
 constexpr char kMagic[4] = {'K', 'V', 'C', 'B'};
 constexpr int64_t kExists = -1;  // fs_store_open: the block file exists, nothing to write
 constexpr int64_t kExisted = 1;  // fs_store_commit: the block file existed, temp file dropped
+constexpr int64_t kFailed = -2;  // a store op: the block failed (its errno says why); no fd
 #ifndef RENAME_NOREPLACE
 #define RENAME_NOREPLACE (1 << 0)
 #endif
@@ -111,6 +117,37 @@ BatchResult corrupt(Values values, std::string why) {
   values.push_back(0);
   return {std::move(values), kCorrupt, std::move(why)};
 }
+
+// What a store op returns: (values, errnos, error kind, message), one value and one errno per
+// block. A block that failed has value kFailed and its errno (0 for every other block); the kind
+// is then kOsError and the message "<call>:<file>" of the first block that failed.
+using StoreResult = std::tuple<Values, Values, int64_t, std::string>;
+
+// The per-block outcomes of a store op, in block order.
+struct Blocks {
+  Values values, errnos;
+  int64_t kind = kOk;
+  std::string message;
+  explicit Blocks(size_t n) {
+    values.reserve(n);
+    errnos.reserve(n);
+  }
+  void ok(int64_t value) {
+    values.push_back(value);
+    errnos.push_back(0);
+  }
+  void failed(int err, const char* call, const std::string& file) {
+    if (kind == kOk) {
+      kind = kOsError;
+      message = cat(call, ":", file);
+    }
+    values.push_back(kFailed);
+    errnos.push_back(err);
+  }
+  StoreResult result() && {
+    return {std::move(values), std::move(errnos), kind, std::move(message)};
+  }
+};
 
 // This thread's zeroed, page-aligned header page (O_DIRECT wants aligned memory); allocated on
 // first use, freed when the thread exits; nullptr if the allocation failed.
@@ -298,12 +335,11 @@ std::string check_addrs(const char* op, const Values& fds, const Values& addrs) 
 
 // -- stores ------------------------------------------------------------------------------------
 
-BatchResult fs_store_open(const std::string& prefix, const std::vector<std::string>& keys,
+StoreResult fs_store_open(const std::string& prefix, const std::vector<std::string>& keys,
                           const std::string& suffix, int64_t extra_flags, bool check_exists) {
   std::string error = check_keys("fs_store_open", keys);
-  if (!error.empty()) return {{}, kBadValue, std::move(error)};
-  Values fds;
-  fds.reserve(keys.size() + 1);
+  if (!error.empty()) return {{}, {}, kBadValue, std::move(error)};
+  Blocks out(keys.size());
   kvc::GilRelease no_gil;
   const int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | static_cast<int>(extra_flags);
   const Dir dir(prefix);
@@ -311,7 +347,7 @@ BatchResult fs_store_open(const std::string& prefix, const std::vector<std::stri
     const std::string path = dir.name(key);
     struct stat st;  // os.path.exists: a store of a present key is a hit
     if (check_exists && fstatat(dir.at(), path.c_str(), &st, 0) == 0) {
-      fds.push_back(kExists);
+      out.ok(kExists);
       continue;
     }
     const std::string tmp = path + suffix;
@@ -319,34 +355,43 @@ BatchResult fs_store_open(const std::string& prefix, const std::vector<std::stri
     if (fd < 0 && errno == ENOENT) {  // the first block of its directory
       std::string failed;
       const int err = make_parents(dir.at(), path, failed);
-      if (err != 0) return os_failure(std::move(fds), err, "mkdir", dir.full(failed));
+      if (err != 0) {
+        out.failed(err, "mkdir", dir.full(failed));
+        continue;
+      }
       fd = open_retry(dir.at(), tmp, flags, 0600);
     }
-    if (fd < 0) return os_failure(std::move(fds), errno, "open", dir.full(tmp));
-    fds.push_back(fd);
+    if (fd < 0) {
+      const int err = errno;  // before building the message
+      out.failed(err, "open", dir.full(tmp));
+      continue;
+    }
+    out.ok(fd);
   }
-  return {std::move(fds), kOk, ""};
+  return std::move(out).result();
 }
 
-BatchResult fs_store_write(const Values& fds, const std::vector<std::string>& keys,
+StoreResult fs_store_write(const Values& fds, const std::vector<std::string>& keys,
                            const Values& addrs, int64_t payload_bytes, int64_t span_bytes,
                            int64_t version, int64_t piece_bytes) {
   std::string error = check_batch("fs_store_write", fds.size(), keys.size(), addrs.size(),
                                   payload_bytes, span_bytes, version, piece_bytes);
   if (error.empty()) error = check_addrs("fs_store_write", fds, addrs);
-  if (!error.empty()) return {{}, kBadValue, std::move(error)};
-  Values done;
-  done.reserve(fds.size() + 1);
+  if (!error.empty()) return {{}, {}, kBadValue, std::move(error)};
+  Blocks out(fds.size());
   kvc::GilRelease no_gil;
   unsigned char* header = header_page();
-  if (header == nullptr) return os_failure(std::move(done), ENOMEM, "posix_memalign", "");
   const size_t payload = static_cast<size_t>(payload_bytes);
   const size_t span = static_cast<size_t>(span_bytes);
   const size_t piece = static_cast<size_t>(piece_bytes);
   kvc::Yielder yielder;
   for (size_t i = 0; i < fds.size(); ++i) {
-    if (fds[i] < 0) {  // kExists
-      done.push_back(0);
+    if (fds[i] < 0) {  // nothing to write (kExists, kFailed)
+      out.ok(0);
+      continue;
+    }
+    if (header == nullptr) {
+      out.failed(ENOMEM, "posix_memalign", "");
       continue;
     }
     const int fd = static_cast<int>(fds[i]);
@@ -374,11 +419,14 @@ BatchResult fs_store_write(const Values& fds, const std::vector<std::string>& ke
         err = write_all(fd, iov, 1, 0);
       }
     }
-    if (err != 0) return os_failure(std::move(done), err, "write", "");
+    if (err != 0) {  // its fd stays open: the caller aborts it
+      out.failed(err, "write", "");
+      continue;
+    }
     if (piece == 0 || span <= piece) yielder.moved(span);
-    done.push_back(payload_bytes);
+    out.ok(payload_bytes);
   }
-  return {std::move(done), kOk, ""};
+  return std::move(out).result();
 }
 
 // Closes fds[from..) and unlinks their temp files; returns per block 0 or the unlink errno
@@ -430,18 +478,17 @@ int commit_one(int dir_fd, const std::string& tmp, const std::string& path, bool
   return renameat(dir_fd, tmp.c_str(), dir_fd, path.c_str()) == 0 ? 0 : errno;
 }
 
-BatchResult fs_store_commit(const Values& fds, const std::string& prefix,
+StoreResult fs_store_commit(const Values& fds, const std::string& prefix,
                             const std::vector<std::string>& keys, const std::string& suffix,
                             bool noreplace, int64_t mtime_ns) {
   std::string error = check_pairs("fs_store_commit", fds, keys);
-  if (!error.empty()) return {{}, kBadValue, std::move(error)};
-  Values done;
-  done.reserve(fds.size() + 1);
+  if (!error.empty()) return {{}, {}, kBadValue, std::move(error)};
+  Blocks out(fds.size());
   kvc::GilRelease no_gil;
   const Dir dir(prefix);
   for (size_t i = 0; i < fds.size(); ++i) {
     if (fds[i] < 0) {
-      done.push_back(0);
+      out.ok(0);
       continue;
     }
     const std::string path = dir.name(keys[i]);
@@ -463,12 +510,13 @@ BatchResult fs_store_commit(const Values& fds, const std::string& prefix,
       err = commit_one(dir.at(), tmp, path, noreplace, existed);
     }
     if (err != 0 || existed) unlinkat(dir.at(), tmp.c_str(), 0);
-    if (err != 0) {  // the later blocks stay open: the caller aborts them
-      return os_failure(std::move(done), err, call, dir.full(tmp));
+    if (err != 0) {  // closed and its temp file gone: nothing left for the caller to abort
+      out.failed(err, call, dir.full(tmp));
+      continue;
     }
-    done.push_back(existed ? kExisted : 0);
+    out.ok(existed ? kExisted : 0);
   }
-  return {std::move(done), kOk, ""};
+  return std::move(out).result();
 }
 
 BatchResult fs_store_abort(const Values& fds, const std::string& prefix,
@@ -619,21 +667,24 @@ void kvcascade_register_fs_io(pybind11::module_& m) {
   xxh3("", 0);  // pick the xxh3 kernel now, under the GIL, not racily on the first I/O threads
   m.attr("FS_EXISTS") = kExists;
   m.attr("FS_EXISTED") = kExisted;
+  m.attr("FS_FAILED") = kFailed;
   m.def("fs_store_open", &fs_store_open,
         "Per key: FS_EXISTS if check_exists and its block file exists, else the fd of "
-        "<path><suffix> opened O_CREAT|O_EXCL 0600; returns (values, error kind, message)",
+        "<path><suffix> opened O_CREAT|O_EXCL 0600, or FS_FAILED; returns (values, errnos, "
+        "error kind, message)",
         pybind11::arg("prefix"), pybind11::arg("keys"), pybind11::arg("suffix"),
         pybind11::arg("extra_flags"), pybind11::arg("check_exists"));
   m.def("fs_store_write", &fs_store_write,
         "Per opened block: header + span written with the payload's xxh3; returns (payload "
-        "bytes per block, error kind, message)",
+        "bytes or FS_FAILED per block, errnos, error kind, message)",
         pybind11::arg("fds"), pybind11::arg("keys"), pybind11::arg("addrs"),
         pybind11::arg("payload_bytes"), pybind11::arg("span_bytes"), pybind11::arg("version"),
         pybind11::arg("piece_bytes"));
   m.def("fs_store_commit", &fs_store_commit,
         "Per opened block: with mtime_ns > 0 set its mtime and atime to mtime_ns + its index "
-        "(ns since the epoch), close, rename <path><suffix> onto <path> (noreplace: keep an existing <path>, "
-        "value FS_EXISTED); returns (values, error kind, message)",
+        "(ns since the epoch), close, rename <path><suffix> onto <path> (noreplace: keep an "
+        "existing <path>, value FS_EXISTED; FS_FAILED: closed, temp file unlinked); returns "
+        "(values, errnos, error kind, message)",
         pybind11::arg("fds"), pybind11::arg("prefix"), pybind11::arg("keys"),
         pybind11::arg("suffix"), pybind11::arg("noreplace"), pybind11::arg("mtime_ns"));
   m.def("fs_store_abort", &fs_store_abort,

@@ -5,67 +5,90 @@ After vLLM v1's ``kv_offload`` tiering. Public surface::
     import kvcascade as kc
     async with kc.open_cascade(kc.CascadeConfig(cpu_blocks=1024)) as cascade:
         ...
+
+The names are imported on first use (PEP 562), so ``kvcascade --help`` and ``--version`` start
+without importing torch; ``from kvcascade import X`` and ``kvcascade.X`` work as usual.
 """
 
-from ._config import CascadeConfig
-from ._errors import (
-    BlockUnavailableError,
-    ConfigError,
-    CorruptBlockError,
-    KVCascadeError,
-    TierUnavailableError,
-    TraceError,
-    TransferError,
-)
-from ._keys import make_offload_key, split_offload_key
-from ._types import (
-    BlockIDsLoadStoreSpec,
-    CPULoadStoreSpec,
-    GPULoadStoreSpec,
-    JobResult,
-    LoadStoreSpec,
-    LookupResult,
-    Medium,
-    OffloadingEvent,
-    OffloadPolicy,
-    PrepareStoreOutput,
-    ReqContext,
-    RequestOffloadingContext,
-    ScheduleEndContext,
-    TransferJob,
-)
-from .cascade import (
-    Cascade,
-    LoadResult,
-    PrefixLookup,
-    StoreResult,
-    open_cascade,
-    start_tier_actors,
-    stop_tier_actors,
-)
-from .coordinator import TieringCoordinator
-from .hints import SessionHint, hint_of
-from .index.cpu import CPUOffloadingManager
-from .metrics import TieringMetrics
-from .ops import batch_copy, swap_blocks
-from .policies import (
-    ARCCachePolicy,
-    BlockStatus,
-    CachePolicy,
-    LRUCachePolicy,
-    TurnAwareCachePolicy,
-    register_cache_policy,
-)
-from .tiers.base import SecondaryTier
-from .tiers.cpu import HostBuffer
-from .tiers.device import DeviceTier, DeviceTransfer, EventBridge
-from .tiers.fs import FileSystemTier
-from .tiers.memory import MemoryTier
-from .tiers.registry import TierContext, register_secondary_tier
-from .tiers.shm import SharedOffloadRegion, region_geometry
-from .views import block_views, canonical_views
+import importlib as _importlib
 
 __version__ = "0.1.0"
+
+# Public name → the module that defines it.
+_EXPORTS: dict[str, str] = {
+    "CascadeConfig": "._config",
+    "BlockUnavailableError": "._errors",
+    "ConfigError": "._errors",
+    "CorruptBlockError": "._errors",
+    "KVCascadeError": "._errors",
+    "TierUnavailableError": "._errors",
+    "TraceError": "._errors",
+    "TransferError": "._errors",
+    "make_offload_key": "._keys",
+    "split_offload_key": "._keys",
+    "BlockIDsLoadStoreSpec": "._types",
+    "CPULoadStoreSpec": "._types",
+    "GPULoadStoreSpec": "._types",
+    "JobResult": "._types",
+    "LoadStoreSpec": "._types",
+    "LookupResult": "._types",
+    "Medium": "._types",
+    "OffloadPolicy": "._types",
+    "OffloadingEvent": "._types",
+    "PrepareStoreOutput": "._types",
+    "ReqContext": "._types",
+    "RequestOffloadingContext": "._types",
+    "ScheduleEndContext": "._types",
+    "TransferJob": "._types",
+    "Cascade": ".cascade",
+    "InvalidateResult": ".cascade",
+    "LoadResult": ".cascade",
+    "PrefixLookup": ".cascade",
+    "StoreResult": ".cascade",
+    "open_cascade": ".cascade",
+    "start_tier_actors": ".cascade",
+    "stop_tier_actors": ".cascade",
+    "TieringCoordinator": ".coordinator",
+    "SessionHint": ".hints",
+    "hint_of": ".hints",
+    "CPUOffloadingManager": ".index.cpu",
+    "TieringMetrics": ".metrics",
+    "batch_copy": ".ops",
+    "swap_blocks": ".ops",
+    "ARCCachePolicy": ".policies",
+    "BlockStatus": ".policies",
+    "CachePolicy": ".policies",
+    "LRUCachePolicy": ".policies",
+    "TurnAwareCachePolicy": ".policies",
+    "register_cache_policy": ".policies",
+    "SecondaryTier": ".tiers.base",
+    "HostBuffer": ".tiers.cpu",
+    "DeviceTier": ".tiers.device",
+    "DeviceTransfer": ".tiers.device",
+    "EventBridge": ".tiers.device",
+    "FileSystemTier": ".tiers.fs",
+    "MemoryTier": ".tiers.memory",
+    "TierContext": ".tiers.registry",
+    "register_secondary_tier": ".tiers.registry",
+    "SharedOffloadRegion": ".tiers.shm",
+    "region_geometry": ".tiers.shm",
+    "block_views": ".views",
+    "canonical_views": ".views",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvcascade' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __all__ = [
     "ARCCachePolicy",
@@ -85,6 +108,7 @@ __all__ = [
     "FileSystemTier",
     "GPULoadStoreSpec",
     "HostBuffer",
+    "InvalidateResult",
     "JobResult",
     "KVCascadeError",
     "LRUCachePolicy",

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._config import CascadeConfig
 from ._errors import ConfigError, KVCascadeError
-from ._replay import ReplayReport, run_replay
-from ._trace import bundled_trace, read_trace
+
+if TYPE_CHECKING:  # imported when a command runs: --help and --version never import torch
+    from ._config import CascadeConfig
+    from ._replay import ReplayReport
 
 DEFAULT_GPU_BLOCKS = 1024
 DEFAULT_CPU_BLOCKS = 8192
@@ -41,6 +44,7 @@ def _positive_int(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcascade", description="Three-tier KV cache tools.")
+    parser.add_argument("--version", action="version", version=f"kvcascade {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     rp = sub.add_parser(
         "replay",
@@ -83,6 +87,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="S3 endpoint of the s3 tier, e.g. http://127.0.0.1:9000 for MinIO (default: AWS)",
     )
+    rp.add_argument(
+        "--valkey",
+        metavar="URL",
+        help="add a valkey tier on this Valkey / Redis server, e.g. redis://127.0.0.1:6379, "
+        "after the other tiers (a password goes in --config's 'password'; docs/valkey-tier.md)",
+    )
     rp.add_argument("--eviction-policy", help="CPU tier eviction policy (lru, …)")
     rp.add_argument("--config", help="JSON object (or @file) of kv_connector_extra_config keys")
     rp.add_argument("--json", dest="json_path", help="write the report as JSON to this path")
@@ -109,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
         "--no-free-rules",
         action="store_true",
         help="with --compare-policies: store partial last blocks and skip the closing touch "
-        "(issue #9's baseline model)",
+        "(the plain cache model of docs/policies.md's baseline columns)",
     )
     rp.add_argument(
         "--seed", type=_nonneg_int, default=None, help="seed of --hints noise (default 0)"
@@ -123,6 +133,33 @@ def _parser() -> argparse.ArgumentParser:
     )
     cal.add_argument("--output", help="settings file (default: the library's settings path)")
     cal.add_argument("--reps", type=_positive_int, default=20, help="timed repetitions per point")
+    ins = sub.add_parser(
+        "inspect",
+        help="list the namespaces of an fs tier directory: identity, blocks, bytes, ages",
+        description="Show every kvcascade namespace under an fs tier's root_dir: its identity "
+        "(config.json), block files, bytes, oldest/newest block and leftover temp files.",
+    )
+    ins.add_argument("root", help="the fs tier's root_dir")
+    ins.add_argument("--json", dest="json_path", help="also write the listing as JSON here")
+    pur = sub.add_parser(
+        "purge",
+        help="remove block files of an fs tier directory by namespace and age",
+        description="Remove kvcascade block files under an fs tier's root_dir. Without "
+        "--older-than whole namespaces go (config.json included). An engine running on the "
+        "directory treats a removed block as a miss.",
+    )
+    pur.add_argument("root", help="the fs tier's root_dir")
+    pur.add_argument(
+        "--namespace",
+        action="append",
+        help="only this namespace (as `kvcascade inspect` lists it); repeat for several",
+    )
+    pur.add_argument(
+        "--older-than", metavar="AGE", help="only blocks not written for AGE (e.g. 90m, 12h, 7d)"
+    )
+    pur.add_argument(
+        "--all", action="store_true", help="every namespace (needed when no filter is given)"
+    )
     return parser
 
 
@@ -145,8 +182,13 @@ def _load_config_arg(text: str | None) -> dict[str, Any]:
     return value
 
 
-def build_replay_config(args: argparse.Namespace) -> CascadeConfig:
-    """Merge ``--config`` keys with the command-line options (options win)."""
+def build_replay_config(
+    args: argparse.Namespace, temporary_root: Callable[[], str] | None = None
+) -> CascadeConfig:
+    """Merge ``--config`` keys with the command-line options (options win); an fs tier without
+    ``root_dir`` gets ``temporary_root()`` (a directory removed after the replay)."""
+    from ._config import CascadeConfig
+
     extra = _load_config_arg(args.config)
     tiers = extra.get("secondary_tiers")
     if tiers is None:
@@ -163,6 +205,10 @@ def build_replay_config(args: argparse.Namespace) -> CascadeConfig:
         if not fs:
             raise ConfigError("--fs-max-bytes given but no fs tier is configured (drop --no-fs)")
         fs[0]["max_bytes"] = args.fs_max_bytes
+    if temporary_root is not None and isinstance(tiers, list):
+        for tier in tiers:
+            if isinstance(tier, dict) and tier.get("type") == "fs" and not tier.get("root_dir"):
+                tier["root_dir"] = temporary_root()
     if args.s3_endpoint and not args.s3_bucket:
         raise ConfigError("--s3-endpoint needs --s3-bucket")
     if args.s3_bucket and isinstance(tiers, list):
@@ -173,6 +219,12 @@ def build_replay_config(args: argparse.Namespace) -> CascadeConfig:
         s3[0]["bucket"] = args.s3_bucket
         if args.s3_endpoint:
             s3[0]["endpoint_url"] = args.s3_endpoint
+    if args.valkey and isinstance(tiers, list):
+        valkey = [t for t in tiers if isinstance(t, dict) and t.get("type") == "valkey"]
+        if not valkey:
+            valkey = [{"type": "valkey"}]
+            tiers.append(valkey[0])
+        valkey[0]["url"] = args.valkey
     extra["secondary_tiers"] = tiers
     cpu_blocks = args.cpu_blocks
     if cpu_blocks is None and "cpu_bytes_to_use" not in extra and "cpu_blocks" not in extra:
@@ -224,20 +276,21 @@ def _replay(args: argparse.Namespace) -> int:
     if given:
         raise ConfigError(f"{', '.join(given)}: only meaningful with --compare-policies")
     _check_writable(args.json_path)
-    config = build_replay_config(args)
-    trace = read_trace(args.trace or bundled_trace(), limit=args.requests)
-    progress = None
-    bar = None
-    if not args.quiet and sys.stderr.isatty():
-        from tqdm import tqdm
+    from ._replay import run_replay, temporary_fs_root
+    from ._trace import bundled_trace, read_trace
 
-        bar = tqdm(total=len(trace), unit="req", desc="replay", file=sys.stderr)
-        progress = bar.update
-    try:
+    with contextlib.ExitStack() as stack:
+        config = build_replay_config(args, lambda: stack.enter_context(temporary_fs_root()))
+        trace = read_trace(args.trace or bundled_trace(), limit=args.requests)
+        progress = None
+        if not args.quiet and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            bar = stack.enter_context(
+                tqdm(total=len(trace), unit="req", desc="replay", file=sys.stderr)
+            )
+            progress = bar.update
         report = run_replay(trace, config, progress)
-    finally:
-        if bar is not None:
-            bar.close()
     print(format_report(report))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report.to_json(), indent=2) + "\n")
@@ -252,6 +305,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from ._compare import compare, format_comparison
+    from ._trace import bundled_trace, read_trace
 
     args.capacities = args.capacities or "0.01,0.05,0.1"
     args.hints = args.hints or "none"
@@ -305,22 +359,72 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvcascade")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        from . import __version__
+
+        return __version__
+
+
+class _Formatter(logging.Formatter):
+    """``kvcascade: LEVEL: message``, without a second ``kvcascade:`` where the message
+    already starts with one."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = record.message.removeprefix("kvcascade: ")
+        return super().formatMessage(record)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from ._admin import format_inspection, inspect_root
+
+    _check_writable(args.json_path)
+    usages = inspect_root(args.root)
+    print(format_inspection(usages))
+    if args.json_path:
+        rows = [vars(u) for u in usages]
+        Path(args.json_path).write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+def _purge(args: argparse.Namespace) -> int:
+    from ._admin import parse_age, purge_root
+
+    if not (args.namespace or args.older_than or args.all):
+        raise ConfigError(
+            "purge removes everything without a filter: give --namespace, --older-than or --all"
+        )
+    age = parse_age(args.older_than) if args.older_than else None
+    result = purge_root(args.root, args.namespace, age)
+    print(f"removed {result.files:,} files ({result.bytes:,} bytes)")
+    for name in result.namespaces:
+        print(f"removed namespace {name}")
+    return 0
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvcascade`` command; returns the exit code."""
-    logging.basicConfig(level=logging.WARNING, format="kvcascade: %(levelname)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(_Formatter("kvcascade: %(levelname)s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     args = _parser().parse_args(argv)
-    # SIGTERM unwinds like Ctrl-C: the replay's temporary fs tier directory is removed.
+    # SIGTERM and SIGHUP unwind like Ctrl-C: the replay's temporary fs tier directory is removed.
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
+    signums = (signal.SIGTERM, signal.SIGHUP) if main_thread else ()
+    previous = {signum: signal.signal(signum, _interrupt) for signum in signums}
     try:
         return _run(args)
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, earlier in previous.items():
+            signal.signal(signum, earlier)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -331,6 +435,10 @@ def _run(args: argparse.Namespace) -> int:
             return _replay(args)
         if args.command == "calibrate":
             return _calibrate(args)
+        if args.command == "inspect":
+            return _inspect(args)
+        if args.command == "purge":
+            return _purge(args)
     except KVCascadeError as exc:
         print(f"kvcascade: error: {exc}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +47,7 @@ def _positive_int(name: str, value: Any, *, allow_zero: bool = False) -> int:
     return value
 
 
-_SECRET_KEYS = frozenset({"access_key", "secret_key", "session_token"})
+_SECRET_KEYS = frozenset({"access_key", "secret_key", "session_token", "password"})
 
 
 def redact(tier: dict[str, Any]) -> dict[str, Any]:
@@ -144,15 +145,26 @@ class CascadeConfig:
             )
         if not isinstance(self.secondary_tiers, list):
             raise ConfigError(f"secondary_tiers must be a list, got {self.secondary_tiers!r}")
-        from .tiers.registry import resolve_tier_factory
+        from .policies.registry import resolve_cache_policy
+        from .tiers.registry import check_tier_config
 
+        resolve_cache_policy(self.eviction_policy)
         names = set()
+        roots: dict[str, str] = {}
         for tier in self.secondary_tiers:
-            resolve_tier_factory(tier)
+            check_tier_config(tier, self.block_bytes)
             name = tier.get("name", tier["type"])
             if name in names or name in ("gpu", "cpu"):
                 raise ConfigError(f"secondary tier name {name!r} is used twice or reserved")
             names.add(name)
+            if tier["type"] == "fs":
+                root = os.path.realpath(os.fspath(tier["root_dir"]))
+                if root in roots:
+                    raise ConfigError(
+                        f"fs tiers {roots[root]!r} and {name!r} share root_dir {root!r}: one "
+                        "would evict or delete the other's files; give each its own directory"
+                    )
+                roots[root] = name
 
     def __repr__(self) -> str:
         fields = ", ".join(

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import os
+import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -250,25 +254,54 @@ def _describe(config: CascadeConfig) -> dict[str, Any]:
     }
 
 
+_TMP_PREFIX = "kvcascade-replay-"
+
+
+def remove_stale_replay_dirs(parent: str | None = None) -> list[str]:
+    """Remove the temporary fs-tier directories of replays whose process is gone.
+
+    Args:
+        parent: where to look (default: :func:`tempfile.gettempdir`).
+
+    Returns:
+        the directories removed. A directory whose owner process still runs, or whose name
+        carries no process id (``kvcascade-replay-<pid>-…``), is left alone.
+    """
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    for path in Path(parent).glob(f"{_TMP_PREFIX}*"):
+        pid_text = path.name[len(_TMP_PREFIX) :].split("-", 1)[0]
+        if not path.is_dir() or not pid_text.isdigit() or _alive(int(pid_text)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(str(path))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def run_replay(
     trace: Sequence[TraceRequest],
     config: CascadeConfig,
     progress: Callable[[int], None] | None = None,
 ) -> ReplayReport:
-    """Synchronous wrapper of :func:`replay` (runs its own event loop).
+    """Synchronous wrapper of :func:`replay` (runs its own event loop)."""
+    return asyncio.run(replay(trace, config, progress))
 
-    When ``config`` has an fs tier without ``root_dir``, a temporary directory is used and
-    removed afterwards.
-    """
-    tiers = config.secondary_tiers
-    needs_tmp = [t for t in tiers if t["type"] == "fs" and not t.get("root_dir")]
-    if not needs_tmp:
-        return asyncio.run(replay(trace, config, progress))
-    with tempfile.TemporaryDirectory(prefix="kvcascade-replay-") as tmp:
-        for t in needs_tmp:
-            t["root_dir"] = tmp
-        try:
-            return asyncio.run(replay(trace, config, progress))
-        finally:
-            for t in needs_tmp:
-                t.pop("root_dir", None)
+
+@contextlib.contextmanager
+def temporary_fs_root() -> Iterator[str]:
+    """A temporary directory for the replay's fs tier, ``kvcascade-replay-<pid>-*``, removed on
+    exit; those left by replays that were killed (SIGKILL, a crash) are removed first
+    (:func:`remove_stale_replay_dirs`)."""
+    remove_stale_replay_dirs()
+    with tempfile.TemporaryDirectory(prefix=f"{_TMP_PREFIX}{os.getpid()}-") as tmp:
+        yield tmp

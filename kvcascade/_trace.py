@@ -32,10 +32,20 @@ def bundled_trace() -> Path:
     return Path(str(resources.files("kvcascade") / "data" / "mooncake_conversation_trace.jsonl"))
 
 
+#: Longest trace line accepted, in characters (a request of a million blocks fits): a file
+#: without line ends (``/dev/zero``, a binary file) ends in a clear error, not a MemoryError.
+_MAX_LINE = 64 << 20
+
+
 def _lines(handle: TextIO, path: Path) -> Iterator[tuple[int, str]]:
     lineno = 0
     try:
-        for lineno, line in enumerate(handle, 1):
+        while line := handle.readline(_MAX_LINE + 1):
+            lineno += 1
+            if len(line) > _MAX_LINE:
+                raise TraceError(
+                    f"{path}:{lineno}: line longer than {_MAX_LINE} characters (not a JSONL trace?)"
+                )
             yield lineno, line
     except UnicodeDecodeError as exc:
         raise TraceError(f"{path}:{lineno + 1}: not UTF-8 text ({exc.reason})") from exc

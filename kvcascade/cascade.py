@@ -77,6 +77,19 @@ class StoreResult:
     bytes: int = 0
 
 
+@dataclass
+class InvalidateResult:
+    """Outcome of :meth:`Cascade.invalidate`.
+
+    ``removed`` maps each tier (``"cpu"`` for the primary, then the secondary tiers' names) to
+    the number of blocks removed there; ``in_use`` lists keys the primary tier kept because a
+    request reads or writes them now (invalidate them again once those requests finish).
+    """
+
+    removed: dict[str, int] = field(default_factory=dict)
+    in_use: list[bytes] = field(default_factory=list)
+
+
 class Cascade:
     """GPU → CPU → secondary tiers, built from a :class:`CascadeConfig`.
 
@@ -301,7 +314,7 @@ class Cascade:
             return
         self.counters["store_dropped_blocks"] += dropped
         (log.debug if self._drops_logged else log.warning)(
-            "kvcascade: store dropped %d of %d keys: %s (counted in "
+            "store dropped %d of %d keys: %s (counted in "
             "counters['store_dropped_blocks']; later drops are logged at debug level)",
             dropped,
             asked,
@@ -321,6 +334,28 @@ class Cascade:
         """
         self._check(keys, ctx)
         self.coordinator.touch(keys, ctx)
+
+    async def invalidate(self, keys: Sequence[bytes]) -> InvalidateResult:
+        """Remove ``keys`` from every tier, so they are never served again (a forged or stale
+        block, a tenant's data to delete).
+
+        The primary tier forgets the idle ones at once (a key being read or written is left
+        and reported in ``in_use``); every secondary tier deletes its copies
+        (:meth:`SecondaryTier.invalidate`). Cascades already in flight finish first, so none
+        of them writes a key back after it was removed.
+
+        Raises:
+            TypeError / ValueError: see :func:`_check_request`.
+            whatever a tier's removal raised (:meth:`SecondaryTier.invalidate`); the tiers
+            before it have removed their copies.
+        """
+        self._check(keys, ReqContext("invalidate"))
+        await self.wait_cascades()
+        removed, in_use = self.primary.remove(keys)
+        out = InvalidateResult({"cpu": len(removed)}, in_use)
+        for tier in self.tiers:
+            out.removed[tier.name] = await tier.invalidate(keys)
+        return out
 
     def finish_request(self, ctx: ReqContext) -> None:
         """The request will submit nothing more (finished or cancelled): release its pins and

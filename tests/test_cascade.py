@@ -231,3 +231,32 @@ async def test_store_of_more_keys_than_the_cpu_tier_holds_stores_what_fits(caplo
         await cascade.wait_cascades()
         cascade.finish_request(ctx)
         assert_idle(cascade)
+
+
+async def test_invalidate_removes_keys_from_every_tier(tmp_path) -> None:
+    """Issue #21 item 6: invalidated keys are gone from the primary, the memory tier and the
+    fs tier's files; a key a request is reading stays in the primary and is reported."""
+    tiers = [{"type": "memory"}, {"type": "fs", "root_dir": str(tmp_path)}]
+    cfg = kc.CascadeConfig(block_bytes=64, gpu_blocks=8, cpu_blocks=8, secondary_tiers=tiers)
+    async with kc.open_cascade(cfg) as cascade:
+        ctx = kc.ReqContext("w")
+        keys = [key(i) for i in range(4)]
+        await cascade.store(keys, ctx, [0, 1, 2, 3])
+        await cascade.wait_cascades()
+        cascade.finish_request(ctx)
+        reader = kc.ReqContext("r")
+        assert (await cascade.lookup_prefix(keys[3:], reader)).num_hits == 1  # pins key 3
+        assert len(list(tmp_path.rglob("*.bin"))) == 4
+        list(cascade.coordinator.take_events())
+        result = await cascade.invalidate(keys)
+        assert result.removed == {"cpu": 3, "memory": 4, "fs": 4}
+        assert result.in_use == [keys[3]]
+        assert list(tmp_path.rglob("*.bin")) == []
+        removed = [e for e in cascade.coordinator.take_events() if e.removed]
+        assert {e.tier for e in removed} >= {"memory", "fs"}
+        cascade.finish_request(reader)
+        probe = kc.ReqContext("p")
+        assert (await cascade.lookup_prefix(keys[:3], probe)).num_hits == 0
+        cascade.finish_request(probe)
+        assert (await cascade.invalidate(keys)).removed == {"cpu": 1, "memory": 0, "fs": 0}
+        assert_idle(cascade)

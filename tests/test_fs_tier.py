@@ -331,7 +331,7 @@ async def test_drain_waits_and_close_fails_queued_jobs(tmp_path: Path, host: kc.
 # -- corruption (spec §9.11 212–215) -------------------------------------------------------
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 async def test_corrupt_file_is_deleted_and_verdict_corrected(
-    tmp_path: Path, host: kc.HostBuffer, damage: str
+    tmp_path: Path, host: kc.HostBuffer, damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """§9.11 212: a good load keeps HIT and the file; a truncated file, or one with a byte
     flipped (same length), fails the load as corrupt, is deleted, counted, and the same request
@@ -353,6 +353,8 @@ async def test_corrupt_file_is_deleted_and_verdict_corrected(
         assert not failed.success
         assert ("short file" if damage == "truncate" else "checksum mismatch") in failed.error
         assert not path.exists() and tier.counters["corrupt_blocks"] == 1
+        warned = [r for r in caplog.records if r.levelname == "WARNING" and str(path) in r.message]
+        assert len(warned) == 1  # issue #21 item 10: one warning per corrupt block, not two
         assert tier.lookup(key(1), ctx) is R.MISS
         assert await lookups(tier, [key(1)], kc.ReqContext("new")) == [R.MISS]
 
@@ -401,14 +403,15 @@ async def test_transient_load_failure_leaves_file(tmp_path: Path, host: kc.HostB
 
 async def test_failed_store_emits_no_event(tmp_path: Path, host: kc.HostBuffer) -> None:
     """§9.11 219, 220: a partially failed store job (a plain file squats on its second block's
-    directory) emits nothing; the successful job after it emits one event with its keys."""
+    directory) stores the other blocks but emits nothing; the successful job after it emits
+    one event with its keys."""
     tier = make_tier(tmp_path, host)
     async with running(tier):
         squat = Path(tier.path_of(key(2))).parent
         squat.parent.mkdir(parents=True)
         squat.write_bytes(b"")
         failed = await store(tier, host, [1, 2, 3])
-        assert not failed.success
+        assert not failed.success and failed.successful_keys == [key(1), key(3)]
         ok = await store(tier, host, [4])
         assert ok.success
         assert [e.keys for e in tier.take_events()] == [[key(4)]]
@@ -981,7 +984,8 @@ async def test_read_only_filesystem_store_hits_and_misses(
 ) -> None:
     """Issue #5 (failure behaviour): on a filesystem remounted read-only, a store of blocks
     already there succeeds (a store hit, as in vLLM's fs tier, which checks existence first),
-    a store of a new block fails with EROFS after the present ones before it, and loads go on."""
+    a store of a new block fails with EROFS and the present ones around it are hits, and loads
+    go on."""
     with mounted(tmp_path / "mnt", "tmpfs", "size=4m") as root:
         tier = make_tier(root, host)
         async with running(tier):
@@ -996,7 +1000,7 @@ async def test_read_only_filesystem_store_hits_and_misses(
                 job([key(1), key(2), key(7), key(3)], [4, 5, 6, 3], False)
             )
             assert not mixed.success and "Read-only file system" in mixed.error
-            assert list(mixed.successful_keys or []) == [key(1), key(2)]
+            assert list(mixed.successful_keys or []) == [key(1), key(2), key(3)]
             assert (hit.transfer_size, mixed.transfer_size) == (0, 0)  # store hits move nothing
             assert tier.counters["store_bytes"] == 3 * BLOCK
             assert (await load(tier, [1, 2, 3], [8, 9, 10])).success
@@ -1149,8 +1153,9 @@ async def test_corrupt_big_block_each_check(
 
 
 async def test_jobs_longer_than_one_compiled_batch(tmp_path: Path) -> None:
-    """Jobs of more blocks than one compiled call takes (fs.COMPILED_BATCH) keep the batch
-    semantics across calls: the failing block's index and the keys before it are the job's."""
+    """Jobs of more blocks than one compiled call takes (fs.COMPILED_BATCH) keep the job's
+    semantics across calls: the failing block's index is the job's; a load reports the keys
+    before it, a store every other key."""
     n = fs.COMPILED_BATCH + 6
     host = kc.HostBuffer(2 * n, 4096)
     try:
@@ -1165,25 +1170,28 @@ async def test_jobs_longer_than_one_compiled_batch(tmp_path: Path) -> None:
             assert [bytes(host.row(n + i)) for i in range(bad)] == [
                 pattern(i, 4096) for i in range(bad)
             ]
-            # A store job failing in its second call: a plain file squats on a block's directory.
+            # A store job failing in its second call (a plain file squats on a block's
+            # directory) stores every other block, in both calls.
             ids = list(range(1000, 1000 + n))
             squat = Path(tier.path_of(key(ids[bad]))).parent
             squat.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             squat.write_bytes(b"")
             result = await store(tier, host, ids)
             assert not result.success and f"fs store of block {bad} failed" in result.error
-            assert result.successful_keys == [key(i) for i in ids[:bad]]
-            assert [Path(tier.path_of(key(i))).exists() for i in ids] == [True] * bad + [False] * (
-                n - bad
-            )
+            assert result.successful_keys == [key(i) for i in ids if i != ids[bad]]
+            assert result.transfer_size == (n - 1) * 4096
+            assert [Path(tier.path_of(key(i))).exists() for i in ids] == [
+                i != ids[bad] for i in ids
+            ]
             assert files(tmp_path, ".tmp") == []
     finally:
         host.close()
 
 
 async def test_compiled_ops_return_errors_instead_of_raising(tmp_path: Path, io_path: str) -> None:
-    """The raw fs ops report bad arguments and failed system calls as (values, kind, message),
-    never as a C++ exception (which killed the interpreter on the H200 image); their xxh3 is
+    """The raw fs ops report bad arguments and failed system calls as (values, kind, message)
+    (store ops: (values, errnos, kind, message), going on after a failed block), never as a C++
+    exception (which killed the interpreter on the H200 image); their xxh3 is
     the xxhash package's."""
     if io_path != "compiled":
         pytest.skip("calls the compiled ops")
@@ -1215,6 +1223,7 @@ async def test_compiled_ops_return_errors_instead_of_raising(tmp_path: Path, io_
     assert ext.fs_load_open(prefix, [key(1)], 0) == ([errno.ENOENT], 3, f"open:{missing}")
     assert ext.fs_store_write([3], [b"k"], [], 4096, 4096, 2, 0) == (
         [],
+        [],
         1,
         "fs_store_write: lengths differ: fds 1, keys 1, addrs 0",
     )
@@ -1223,17 +1232,32 @@ async def test_compiled_ops_return_errors_instead_of_raising(tmp_path: Path, io_
         1,
         "fs_load_read: fds[0] is negative",
     )
-    assert ext.fs_store_write([], [], [], 4096, 100, 2, 0)[1:] == (
+    assert ext.fs_store_write([], [], [], 4096, 100, 2, 0)[2:] == (
         1,
         "fs_store_write: span_bytes must be a multiple of 4096 >= payload_bytes (4096), got 100",
     )
     top = Path(missing).parent.parent
     assert ext.fs_store_open(prefix, [key(1)], "_x.tmp", 0, True) == (
+        [ext.FS_FAILED],
         [errno.ENOENT],
         3,
         f"mkdir:{top}",
     )
     assert ext.fs_store_abort([ext.FS_EXISTS], prefix, [key(1)], ".tmp") == ([0], 0, "")
+    # A store op goes on after a failed block: the first commit finds its temp file gone.
+    Path(prefix).mkdir()
+    two = [key(1), key(2)]
+    fds, errnos, kind, _ = ext.fs_store_open(prefix, two, "_y.tmp", 0, False)
+    assert (errnos, kind) == ([0, 0], 0) and min(fds) >= 0
+    gone = f"{missing}_y.tmp"
+    Path(gone).unlink()
+    assert ext.fs_store_commit(fds, prefix, two, "_y.tmp", True, 0) == (
+        [ext.FS_FAILED, 0],
+        [errno.ENOENT, 0],
+        3,
+        f"rename:{gone}",
+    )
+    assert [Path(p).is_file() for p in ext.fs_block_paths(prefix, two)[0]] == [False, True]
 
 
 @pytest.mark.parametrize("max_bytes", [None, 1 << 20])
@@ -1279,8 +1303,9 @@ async def test_a_mapper_with_other_paths_keeps_the_python_mover(
 
 async def test_store_job_failing_twice_midway_cleans_up(tmp_path: Path) -> None:
     """A 20-block store job into a full filesystem whose last block's directory is squatted by
-    a plain file: the first failure in order (ENOSPC) fails the job, the blocks before it are
-    stored whole, and no temp file or partial file is left."""
+    a plain file: every block that fits is stored whole, each later one fails (ENOSPC, and
+    ENOTDIR for the last), the first failure in order names the cause, and no temp file or
+    partial file is left."""
     host = kc.HostBuffer(20, BLOCK)
     try:
         with mounted(tmp_path / "mnt", "tmpfs", "size=128k") as root:
@@ -1293,8 +1318,50 @@ async def test_store_job_failing_twice_midway_cleans_up(tmp_path: Path) -> None:
                 assert not result.success and "No space left" in (result.error or "")
                 stored = result.successful_keys or []
                 assert 0 < len(stored) < 19 and stored == [key(i) for i in range(len(stored))]
+                assert f"{20 - len(stored)} of 20 blocks failed" in (result.error or "")
+                assert result.transfer_size == len(stored) * BLOCK
                 assert files(root, ".tmp") == []
                 assert {p.stat().st_size for p in files(root, ".bin")} == {file_size(BLOCK)}
                 assert len(files(root, ".bin")) == len(stored)
     finally:
         host.close()
+
+
+@pytest.mark.parametrize("max_bytes", [None, 1 << 20])
+async def test_store_job_moves_every_block_after_one_failed_block(
+    tmp_path: Path, host: kc.HostBuffer, max_bytes: int | None
+) -> None:
+    """Issue #14 defect 11: a store job goes on after a failing block. Of five blocks, the
+    second cannot be opened (a plain file squats on its directory: ENOTDIR) and the fourth
+    cannot be written (its directory is a full 4 KiB tmpfs: ENOSPC); the job fails, reports
+    exactly the three others as stored with their bytes, and their files load back byte-exact;
+    the failed blocks leave no file and no temp file, and the size index counts three files."""
+    ids = [1, 2, 3, 4, 5]
+    tier = make_tier(tmp_path, host, max_bytes=max_bytes)
+    leaves = [Path(tier.path_of(key(i))).parent for i in ids]
+    assert len({leaf.parent for leaf in leaves}) == len(ids)  # no shared directory
+    leaves[1].parent.mkdir(mode=0o700, parents=True)
+    leaves[1].write_bytes(b"")
+    leaves[3].parent.mkdir(mode=0o700, parents=True)
+    with mounted(leaves[3], "tmpfs", "size=4k") as full:
+        async with running(tier):
+            result = await store(tier, host, ids)
+            assert not result.success
+            assert result.successful_keys == [key(1), key(3), key(5)]
+            assert result.transfer_size == 3 * BLOCK
+            assert "fs store of block 1 failed" in (result.error or "")
+            assert "Not a directory" in (result.error or "")
+            assert "2 of 5 blocks failed" in (result.error or "")
+            assert [Path(tier.path_of(key(i))).is_file() for i in ids] == [
+                True,
+                False,
+                True,
+                False,
+                True,
+            ]
+            assert files(tmp_path, ".tmp") == [] and list(full.iterdir()) == []
+            if max_bytes is not None:
+                assert tier.used_bytes == 3 * file_size(BLOCK)
+            loaded = await load(tier, [1, 3, 5], [10, 11, 12])
+            assert loaded.success, loaded.error
+            assert [bytes(host.row(s)) for s in (10, 11, 12)] == [pattern(i) for i in (1, 3, 5)]

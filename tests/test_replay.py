@@ -248,13 +248,13 @@ def test_negative_size_exits_nonzero_without_traceback() -> None:
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_interrupted_replay_removes_its_temporary_fs_tier(
     tmp_path: Path, signum: signal.Signals
 ) -> None:
-    """Ctrl-C or SIGTERM during ``kvcascade replay`` (fs tier in a temporary directory): exit
-    status 130, "interrupted", and the temporary directory with its block files is gone (a
-    SIGTERM used to leave hundreds of MB behind)."""
+    """Ctrl-C, SIGTERM or SIGHUP during ``kvcascade replay`` (fs tier in a temporary
+    directory): exit status 130, "interrupted", and the temporary directory with its block files
+    is gone (a SIGTERM used to leave hundreds of MB behind)."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvcascade._cli", "replay", "--quiet"],
@@ -277,6 +277,29 @@ def test_interrupted_replay_removes_its_temporary_fs_tier(
     assert proc.returncode == 130, err
     assert "kvcascade: interrupted" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_next_replay_removes_the_directory_a_killed_replay_left(tmp_path: Path) -> None:
+    """Issue #21 item 9: SIGKILL leaves the temporary fs tier behind; the next replay removes
+    it (its owner process is gone) and leaves a live replay's directory alone."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "kvcascade._cli", "replay", "--quiet"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        until = time.monotonic() + 120
+        while time.monotonic() < until and not any(
+            p.rglob("*.bin") for p in tmp_path.glob("kvcascade-replay-*")
+        ):
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()
+    [left] = tmp_path.glob("kvcascade-replay-*")
+    live = tmp_path / f"kvcascade-replay-{os.getpid()}-live"
+    live.mkdir()
+    subprocess.run([*cmd, "--requests", "2"], env=env, check=True, capture_output=True)
+    assert sorted(tmp_path.iterdir()) == [live]
+    assert not left.exists()
 
 
 def test_fs_max_bytes_bounds_the_fs_tier(tmp_path: Path) -> None:
@@ -340,6 +363,18 @@ def test_malformed_traces_are_one_clear_error(
     assert main(["replay", str(bad), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_trace_without_line_ends_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue #21 item 10: an endless file without line ends (``/dev/zero``) ends with one clear
+    error naming the line, not a MemoryError."""
+    monkeypatch.setattr("kvcascade._trace._MAX_LINE", 1 << 20)  # reach the bound sooner
+    assert main(["replay", "/dev/zero", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "/dev/zero:1: line longer than 1048576 characters" in err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize(

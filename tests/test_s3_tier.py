@@ -99,6 +99,21 @@ async def test_lookup_store_roundtrip_and_unrelated_key(
         assert bytes(host.row(5)) == pattern(1)
 
 
+async def test_invalidate_deletes_the_objects(
+    moto: MotoServer, bucket: str, host: kc.HostBuffer
+) -> None:
+    """Issue #21 item 6: invalidate deletes the objects (a fresh tier asking the bucket finds
+    none), answers how many existed, and turns cached HIT verdicts into MISS."""
+    tier = make_tier(moto.endpoint, bucket, host)
+    async with running(tier):
+        assert (await store(tier, host, [1, 2])).success
+        assert await lookups(tier, [key(1)], kc.ReqContext("a")) == [R.HIT]
+        assert await tier.invalidate([key(1), key(2), key(3)]) == 2
+        assert await fresh(tier).contains([key(1), key(2)]) == [False, False]
+        assert await lookups(tier, [key(1)], kc.ReqContext("a")) == [R.MISS]
+        assert [e.removed for e in tier.take_events()][-1:] == [True]
+
+
 async def test_independent_jobs_multi_block_and_partial_lookup(
     moto: MotoServer, bucket: str, host: kc.HostBuffer
 ) -> None:

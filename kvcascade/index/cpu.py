@@ -328,6 +328,30 @@ class CPUOffloadingManager:
         if stored and self._events is not None:
             self._events.append(OffloadingEvent(stored, Medium.CPU, removed=False))
 
+    def remove(self, keys: Collection[bytes]) -> tuple[list[bytes], list[bytes]]:
+        """Forget idle ``keys`` now (invalidation) and free their slots; one removal event.
+
+        Returns:
+            ``(removed, in_use)``: keys dropped, and keys left because they are pinned or being
+            written (absent keys are in neither).
+        """
+        removed: list[bytes] = []
+        in_use: list[bytes] = []
+        for key in dict.fromkeys(keys):
+            block = self._get(key)
+            if block is None:
+                continue
+            if block.ref_cnt != 0:
+                in_use.append(key)
+                continue
+            self._policy.remove(key)
+            self._free_list.append(block)
+            self.num_evictable -= 1
+            removed.append(key)
+        if removed and self._events is not None:
+            self._events.append(OffloadingEvent(removed, Medium.CPU, removed=True))
+        return removed, in_use
+
     def quarantine_write(self, key: bytes) -> BlockStatus | None:
         """Give up on the in-flight write of ``key``: the key is forgotten (a miss from now on)
         but its slot is *not* freed, because the late writer may still write into it.

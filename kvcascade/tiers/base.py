@@ -55,7 +55,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
-from .._errors import TierUnavailableError, TransferError
+from .._errors import CorruptBlockError, TierUnavailableError, TransferError
 from .._types import (
     JobResult,
     LookupResult,
@@ -199,7 +199,9 @@ class SecondaryTier(ABC):
     ) -> int | Awaitable[int]:
         """Persist ``rows[i]`` under ``keys[i]``; return bytes written.
 
-        Raises on the first failing block (:class:`TransferError` with the keys that succeeded).
+        Moves every block it can: a failing block does not stop the job (its later blocks are
+        still worth storing). If any failed, raises :class:`TransferError` with exactly the
+        keys stored (store hits included, in job order) and the bytes written.
         """
 
     @abstractmethod
@@ -208,8 +210,9 @@ class SecondaryTier(ABC):
     ) -> int | Awaitable[int]:
         """Fill ``rows[i]`` with the bytes stored under ``keys[i]``; return bytes read.
 
-        Raises on the first failing block (:class:`TransferError` with the keys that succeeded);
-        a block that fails its integrity check raises with a :class:`CorruptBlockError` cause.
+        Stops at the first failing block, since a prefix is useless after its first gap
+        (:class:`TransferError` with the keys before it); a block that fails its integrity
+        check raises with a :class:`CorruptBlockError` cause.
         """
 
     @abstractmethod
@@ -541,8 +544,10 @@ class SecondaryTier(ABC):
         elif isinstance(error, TransferError):
             kind = "load_failures" if job.is_promotion else "store_failures"
             self.counters[kind] += 1
-            # the first of each kind is a warning (a full disk fails every job: no flood)
-            level = logging.WARNING if self.counters[kind] == 1 else logging.DEBUG
+            # the first of each kind is a warning (a full disk fails every job: no flood); a
+            # corrupt block was already warned about by the tier that found it
+            first = self.counters[kind] == 1 and not isinstance(error.__cause__, CorruptBlockError)
+            level = logging.WARNING if first else logging.DEBUG
             log.log(
                 level,
                 "tier %s: job %d: %s (%s so far: %d)",
@@ -690,6 +695,40 @@ class SecondaryTier(ABC):
         except (TimeoutError, OSError, TierUnavailableError) as exc:
             log.warning("tier %s: probe failed (%s); answering MISS", self.name, exc)
             return [False] * len(keys)
+
+    async def invalidate(self, keys: Sequence[bytes]) -> int:
+        """Delete ``keys``' blocks from this tier now (an operator's or embedder's removal of
+        blocks that must not be served again); runs on an I/O thread like a probe.
+
+        Returns how many of them were present. Their cached lookup verdicts become MISS and a
+        removal event is queued.
+
+        Raises:
+            NotImplementedError: the tier cannot remove blocks (:meth:`_remove`).
+            TierUnavailableError: the tier is not running.
+            TimeoutError: the removal did not finish within ``io_timeout_s``.
+            OSError / TransferError: a block could not be deleted (the tier's own error).
+        """
+        keys = list(dict.fromkeys(keys))
+        if not keys:
+            return 0
+        present = await self._call_blocking(self._remove, keys)
+        self._lookup.mark_miss(keys)
+        gone = [k for k, was in zip(keys, present) if was]
+        if gone:
+            self._events.append(OffloadingEvent(gone, self.medium, True, self.name))
+        return len(gone)
+
+    def _remove(self, keys: Sequence[bytes]) -> list[bool] | Awaitable[list[bool]]:
+        """Delete the blocks of ``keys``; for each, whether it was present. Runs on an I/O
+        thread (or on the loop, for a native tier). Tiers that can remove blocks override it.
+
+        Raises:
+            NotImplementedError: by default.
+        """
+        raise NotImplementedError(
+            f"tier {self.name!r} ({type(self).__name__}) cannot remove blocks"
+        )
 
     def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
         """Offload policy for a new request (BLOCK_LEVEL)."""

@@ -25,7 +25,9 @@ rewritten. A load opens the file and reads header and payload with one vectored 
 into the primary row. A short file is deleted and fails its block; a header, key or checksum
 mismatch deletes the file, counts ``counters["corrupt_blocks"]`` and fails the block, so the
 caller recomputes. Other errors (missing file, EIO, …) fail the block and leave the file alone.
-Batches stop at the first failing block and report the blocks before it as done.
+A load job stops at its first failing block and reports the blocks before it as done (a prefix
+is useless after its first gap); a store job goes on after a failing block, so that every block
+that can be stored is, and reports exactly the blocks stored (:meth:`FileSystemTier._store_failed`).
 
 Compiled path: once the kernel extension is loaded (:func:`compiled_fs_io`, built in the
 background on first use), each job runs through ``kernels/fs_io.cpp`` a batch of up to
@@ -72,7 +74,7 @@ import time
 from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import xxhash
@@ -504,6 +506,15 @@ class FileSystemTier(SecondaryTier):
         self._fused = not self.o_direct or (kind == 0 and magic == _TMPFS_MAGIC)
 
     def _store_blocks(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
+        """Store every block it can; payload bytes written (store hits write none).
+
+        A failing block does not stop the job (a store's later blocks are still worth having,
+        unlike a load's after a gap): see :meth:`_store_failed`.
+
+        Raises:
+            TransferError: some blocks failed (:meth:`_store_failed`).
+            TimeoutError: the job passed its deadline (its result is discarded).
+        """
         ext = self._compiled(rows)
         if ext is None:
             return self._store_blocks_py(keys, rows)
@@ -511,34 +522,31 @@ class FileSystemTier(SecondaryTier):
         per_call = COMPILED_BATCH
         if not self._fused:  # O_DIRECT on a device
             per_call = max(1, min(COMPILED_BATCH, COMPILED_STORE_BYTES // self._span))
-        written = lo = 0
-        while lo < len(keys):
-            try:
-                done, lo = self._store_batch(
-                    ext, keys, rows.addresses, lo, min(lo + per_call, len(keys))
-                )
-            except TransferError as exc:
-                exc.transferred_bytes = written + (exc.transferred_bytes or 0)
-                raise
+        written = 0
+        failures: list[tuple[int, OSError]] = []
+        for lo in range(0, len(keys), per_call):
+            done, failed = self._store_batch(
+                ext, keys, rows.addresses, lo, min(lo + per_call, len(keys))
+            )
             written += done
+            failures += failed
+        if failures:
+            self._store_failed(keys, failures, written)
         return written
 
     def _store_batch(
         self, ext: ModuleType, keys: Sequence[bytes], addresses: list[int], lo: int, hi: int
-    ) -> tuple[int, int]:
+    ) -> tuple[int, list[tuple[int, OSError]]]:
         """Store blocks ``lo:hi`` of a job with the compiled helpers; (payload bytes written,
-        index of the first block not dealt with: ``hi``, or the one after a store hit found on a
-        failure).
+        the failed blocks as (index in the job, cause) in job order).
 
-        Same outcome as :meth:`_store_one` over each block in turn: the blocks before the first
-        failing one are stored and recorded; the failing one and the later ones leave no file
-        and no reservation. A block whose write failed (a read-only or full filesystem) while
-        its file is present — written before, or by another writer meanwhile — is a store hit,
-        as :meth:`_store_one` finds it before writing, and the job goes on after it.
+        Same outcome as :meth:`_store_one` over each block: every block that can be stored is
+        stored and recorded; a failed one leaves no file, no temp file and no reservation. A
+        block whose store failed (a read-only or full filesystem) while its file is present —
+        written before, or by another writer meanwhile — is a store hit, as :meth:`_store_one`
+        finds it before writing.
 
         Raises:
-            TransferError: a block failed (its OSError as the cause; the keys before it
-                succeeded).
             TimeoutError: the job passed its deadline before its rows were read.
         """
         batch = keys[lo:hi]
@@ -549,86 +557,112 @@ class FileSystemTier(SecondaryTier):
         # With a size index, check existence first (a present key must not reserve room);
         # otherwise let the rename refuse to replace a present file (no lookup per new name).
         check_first = self._index is not None
-        fds, kind, message = ext.fs_store_open(prefix, batch, suffix, self._flags, check_first)
-        failure = _failure(fds, kind, message)
-        reserved = len(fds)  # blocks [0, reserved) exist or hold a reservation
+        fds, errnos, kind, message = ext.fs_store_open(
+            prefix, batch, suffix, self._flags, check_first
+        )
+        failed = _failures(errnos, kind, message)
+        to_write = list(fds)  # the open temp files to write (fd >= 0)
+        reserved: list[int] = []  # blocks holding a reservation, until committed or failed
         if self._index is not None:
             for j, fd in enumerate(fds):
                 if fd == exists:
                     self._record(batch[j], self.block_file_bytes, reserved=False)
-                    continue
-                self._forget(batch[j])  # an index entry left by a file deleted from outside
-                if not self._evict_and_reserve(size):
-                    failure, reserved = (j, _no_room(size)), j
-                    break
-        committed = handled = 0  # blocks stored / blocks whose temp file is dealt with
+                elif fd >= 0:
+                    self._forget(batch[j])  # an index entry left by a file deleted from outside
+                    if self._evict_and_reserve(size):
+                        reserved.append(j)
+                    else:
+                        failed[j] = _no_room(size)
+                        to_write[j] = exists
+        to_commit: list[int] = []
         outcomes: list[int] = []
         try:
             with self._row_access():
-                done, kind, message = ext.fs_store_write(
-                    fds[:reserved],
-                    batch[:reserved],
-                    addresses[lo : lo + reserved],
+                _, errnos, kind, message = ext.fs_store_write(
+                    to_write,
+                    batch,
+                    addresses[lo:hi],
                     self.host.block_bytes,
                     self._span,
                     FORMAT_VERSION,
                     FUSED_PIECE_BYTES if self._fused else 0,
                 )
-            failure = _failure(done, kind, message) or failure
-            n = len(done)
-            stamp = self._stamps(n) if self._index is not None else 0  # 0: kernel's mtimes
-            outcomes, kind, message = ext.fs_store_commit(
-                fds[:n], prefix, batch[:n], suffix, not check_first, stamp
+            write_failed = _failures(errnos, kind, message)  # their temp files stay open
+            failed.update(write_failed)
+            to_commit = [exists if j in write_failed else fd for j, fd in enumerate(to_write)]
+            stamp = self._stamps(len(batch)) if self._index is not None else 0  # 0: the kernel's
+            outcomes, errnos, kind, message = ext.fs_store_commit(
+                to_commit, prefix, batch, suffix, not check_first, stamp
             )
-            handled = len(outcomes)  # on a failure the failing block's temp file is gone too
-            failure = _failure(outcomes, kind, message) or failure
-            committed = len(outcomes)
+            failed.update(_failures(errnos, kind, message))  # closed, temp file unlinked
         finally:
-            rest = [fd if j >= handled else exists for j, fd in enumerate(fds)]
-            if any(fd != exists for fd in rest):
-                errors, _, _ = ext.fs_store_abort(rest, prefix, batch[: len(rest)], suffix)
-                for key, err in zip(batch, errors, strict=False):
+            # Temp files left open: refused room, failed writes, or every one when the job
+            # stopped before its commit ran (past its deadline).
+            handled = to_commit if outcomes else [exists] * len(fds)
+            rest = [exists if by >= 0 else fd for fd, by in zip(fds, handled, strict=True)]
+            if any(fd >= 0 for fd in rest):
+                errors, _, _ = ext.fs_store_abort(rest, prefix, batch, suffix)
+                for key, err in zip(batch, errors, strict=True):
                     if err:
                         tmp = self.path_of(key) + suffix
                         log.warning("fs tier: could not delete %s: %s", tmp, os.strerror(err))
-            if self._index is not None:
-                for j in range(committed, reserved):
-                    if fds[j] != exists:
-                        self._unreserve(size)
-        written = 0
-        for j in range(committed):
-            if fds[j] == exists:
-                continue
-            if outcomes[j] == ext.FS_EXISTED:  # kept the file already there
+            if not outcomes:
+                for _ in reserved:
+                    self._unreserve(size)
+        for j in reserved:
+            if j in failed:
                 self._unreserve(size)
+        written = 0
+        for j, fd in enumerate(fds):
+            if fd < 0 or j in failed:  # a store hit found first, or a failed block
+                continue
+            if outcomes[j] == ext.FS_EXISTED:  # kept the file already there (no reservation)
                 self._record(batch[j], self.block_file_bytes, reserved=False)
             else:
                 self._record(batch[j], size, reserved=True)
                 written += self.host.block_bytes
-        if failure is not None:
-            i, exc = failure
-            if os.path.exists(self.path_of(batch[i])):
-                self._record(batch[i], self.block_file_bytes, reserved=False)
-                return written, lo + i + 1
-            raise TransferError(
-                f"fs store of block {lo + i} failed: {_naming(exc, self.path_of(batch[i]))}",
-                keys[: lo + i],
-                written,
-            ) from exc
-        return written, hi
+        failures = []
+        for j, exc in sorted(failed.items()):
+            if os.path.exists(self.path_of(batch[j])):  # present after all: a store hit
+                self._record(batch[j], self.block_file_bytes, reserved=False)
+            else:
+                failures.append((lo + j, exc))
+        return written, failures
 
     def _store_blocks_py(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
         written = 0
+        failures: list[tuple[int, OSError]] = []
         for i, (key, row) in enumerate(zip(keys, rows, strict=True)):
             try:
                 written += self._store_one(key, row)
             except OSError as exc:
-                raise TransferError(
-                    f"fs store of block {i} failed: {_naming(exc, self.path_of(key))}",
-                    keys[:i],
-                    written,
-                ) from exc
+                if self._job_abandoned():  # past its deadline: the result is discarded
+                    raise
+                failures.append((i, exc))
+        if failures:
+            self._store_failed(keys, failures, written)
         return written
+
+    def _store_failed(
+        self, keys: Sequence[bytes], failures: list[tuple[int, OSError]], written: int
+    ) -> NoReturn:
+        """Fail a store job whose blocks ``failures`` ((index, cause), job order, not empty)
+        failed after the others were stored (store hits included) with ``written`` payload
+        bytes: the same partial result as the S3 tier's (``kvcascade/tiers/s3.py``).
+
+        Raises:
+            TransferError: always; names the first failed block and its cause (also the
+                exception's cause) and how many failed; ``succeeded``: the other keys, in job
+                order; ``transferred_bytes``: ``written``.
+        """
+        i, exc = failures[0]
+        bad = {j for j, _ in failures}
+        more = f"; {len(failures)} of {len(keys)} blocks failed" if len(failures) > 1 else ""
+        raise TransferError(
+            f"fs store of block {i} failed: {_naming(exc, self.path_of(keys[i]))}{more}",
+            [k for j, k in enumerate(keys) if j not in bad],
+            written,
+        ) from exc
 
     def _store_one(self, key: bytes, row: memoryview) -> int:
         path = self.path_of(key)
@@ -821,6 +855,18 @@ class FileSystemTier(SecondaryTier):
         self._record(key, size, reserved=False)
         return len(payload)
 
+    def _remove(self, keys: Sequence[bytes]) -> list[bool]:
+        """Unlink each key's block file and drop it from the size index."""
+        present = []
+        for key in keys:
+            try:
+                os.unlink(self.path_of(key))
+                present.append(True)
+            except FileNotFoundError:
+                present.append(False)
+            self._forget(key)
+        return present
+
     def _probe(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key's block file is a regular file; a key found gone leaves the index."""
         found = []
@@ -836,7 +882,7 @@ class FileSystemTier(SecondaryTier):
 
 
 def _failure(values: list[int], kind: int, message: str) -> tuple[int, OSError] | None:
-    """The failing block of a compiled fs op's ``(values, kind, message)`` and its OSError
+    """The failing block of a compiled load op's ``(values, kind, message)`` and its OSError
     (None when it succeeded); pops the failing block's errno off ``values``.
 
     Raises:
@@ -844,14 +890,41 @@ def _failure(values: list[int], kind: int, message: str) -> tuple[int, OSError] 
     """
     if not kind:
         return None
+    _raise_unless_os_error(kind, message)
+    err = values.pop()
+    return len(values), _os_error(err, message)
+
+
+def _failures(errnos: list[int], kind: int, message: str) -> dict[int, OSError]:
+    """The failed blocks of a compiled store op's ``(values, errnos, kind, message)``: index in
+    the call → its OSError. The first one names the file of ``message``; the others name none
+    (:func:`_naming` adds the block's path).
+
+    Raises:
+        ValueError: the op refused its arguments (kind 1); RuntimeError for another kind.
+    """
+    if not kind:
+        return {}
+    _raise_unless_os_error(kind, message)
+    failed: dict[int, OSError] = {}
+    for j, err in enumerate(errnos):
+        if err:
+            failed[j] = _os_error(err, "" if failed else message)
+    return failed
+
+
+def _raise_unless_os_error(kind: int, message: str) -> None:
     if kind != _OS_ERROR:
         _checked((0, kind, message))
         raise RuntimeError(f"fs op failed (error kind {kind}): {message}")
-    err = values.pop()
+
+
+def _os_error(err: int, message: str) -> OSError:
+    """The OSError of errno ``err``, naming the file of a compiled op's ``"<call>:<file>"``."""
     _call, _, filename = message.partition(":")
     if filename:
-        return len(values), OSError(err, os.strerror(err), filename)
-    return len(values), OSError(err, os.strerror(err))
+        return OSError(err, os.strerror(err), filename)
+    return OSError(err, os.strerror(err))
 
 
 def _naming(exc: OSError, path: str) -> str:
@@ -927,9 +1000,25 @@ def fs_tier_from_config(
     ``io_threads`` when that is absent.
 
     Raises:
-        ConfigError: missing ``root_dir``, an unknown key (named in the message), or a value of
-            the wrong type or range.
+        ConfigError: see :func:`check_fs_tier_config`.
         OSError: the directory cannot be created.
+    """
+    args = check_fs_tier_config(cfg, host.block_bytes)
+    if cfg.get("cache_salt"):
+        mapper = mapper.with_salt(cfg["cache_salt"])
+    return FileSystemTier(host, args.pop("root_dir"), mapper, **args)
+
+
+def check_fs_tier_config(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any]:
+    """Validate an fs tier entry without touching the disk (``CascadeConfig`` calls it at
+    construction, so a bad value fails there, not at ``open_cascade``).
+
+    Returns:
+        the :class:`FileSystemTier` keyword arguments (``root_dir`` included).
+
+    Raises:
+        ConfigError: missing ``root_dir``, an unknown key (named in the message), or a value of
+            the wrong type or range (``io_threads=0``, ``max_bytes=-5``, …).
     """
     unknown = sorted(set(cfg) - _CONFIG_KEYS)
     if unknown:
@@ -954,21 +1043,17 @@ def fs_tier_from_config(
     for key in ("cache_salt", "name"):
         if key in cfg and not isinstance(cfg[key], str):
             raise ConfigError(f"fs tier {key} must be a string, got {cfg[key]!r}")
-    if cfg.get("cache_salt"):
-        mapper = mapper.with_salt(cfg["cache_salt"])
     max_bytes = integer("max_bytes", 0) if "max_bytes" in cfg else None
-    if max_bytes is not None and max_bytes < file_size(host.block_bytes):
+    if max_bytes is not None and max_bytes < file_size(block_bytes):
         raise ConfigError(
             f"fs tier max_bytes={max_bytes} cannot hold one block file "
-            f"({file_size(host.block_bytes)} B for {host.block_bytes} B blocks)"
+            f"({file_size(block_bytes)} B for {block_bytes} B blocks)"
         )
-    return FileSystemTier(
-        host,
-        root,
-        mapper,
-        name=cfg.get("name", "fs"),
-        io_threads=threads,
-        io_timeout_s=float(timeout),
-        max_queued_jobs=integer("max_queued_jobs", 1024),
-        max_bytes=max_bytes,
-    )
+    return {
+        "root_dir": root,
+        "name": cfg.get("name", "fs"),
+        "io_threads": threads,
+        "io_timeout_s": float(timeout),
+        "max_queued_jobs": integer("max_queued_jobs", 1024),
+        "max_bytes": max_bytes,
+    }

@@ -42,6 +42,9 @@ class MemoryTier(SecondaryTier):
     def _probe(self, keys: Sequence[bytes]) -> list[bool]:
         return [k in self.blocks for k in keys]
 
+    def _remove(self, keys: Sequence[bytes]) -> list[bool]:
+        return [self.blocks.pop(k, None) is not None for k in keys]
+
 
 def memory_tier_factory(ctx: TierContext, name: str = "memory") -> MemoryTier:
     """Factory of ``{"type": "memory"}`` (alias ``"example"``); the only key is ``name``."""

@@ -1,9 +1,10 @@
 """Secondary-tier types: name → factory registry (spec §3.11, §9.9).
 
 Built-in types resolve lazily (no import until used): ``fs``; ``memory`` (vLLM's ``example`` is an
-alias); ``s3`` (vLLM's ``obj`` is an alias). Out-of-tree tiers either register a factory with
-:func:`register_secondary_tier`, or are named in config by ``type`` plus ``module_path`` — the
-class called ``type`` is imported from that module, like vLLM's ``SecondaryTierFactory``.
+alias); ``s3`` (vLLM's ``obj`` is an alias); ``valkey`` (a Valkey / Redis server or cluster).
+Out-of-tree tiers either register a factory with :func:`register_secondary_tier`, or are named
+in config by ``type`` plus ``module_path`` — the class called ``type`` is imported from that
+module, like vLLM's ``SecondaryTierFactory``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ _REGISTRY: dict[str, str | TierFactory] = {
     "example": "kvcascade.tiers.memory:memory_tier_factory",
     "s3": "kvcascade.tiers.registry:_s3_factory",
     "obj": "kvcascade.tiers.registry:_s3_factory",
+    "valkey": "kvcascade.tiers.registry:_valkey_factory",
 }
 
 
@@ -62,6 +64,17 @@ def _s3_factory(ctx: TierContext, **kwargs: Any) -> SecondaryTier:
             f"the s3 tier needs aiobotocore ({exc.name} is missing): pip install 'kvcascade[s3]'"
         ) from exc
     return s3_tier_from_config(ctx.host, ctx.mapper(), kwargs)
+
+
+def _valkey_factory(ctx: TierContext, **kwargs: Any) -> SecondaryTier:
+    try:
+        from .valkey import valkey_tier_from_config
+    except ModuleNotFoundError as exc:
+        raise ConfigError(
+            f"the valkey tier needs redis-py ({exc.name} is missing): "
+            "pip install 'kvcascade[valkey]'"
+        ) from exc
+    return valkey_tier_from_config(ctx.host, ctx.mapper(), kwargs)
 
 
 def register_secondary_tier(type_name: str, factory: str | TierFactory) -> None:
@@ -112,6 +125,31 @@ def resolve_tier_factory(tier_cfg: dict[str, Any]) -> TierFactory:
             f"Unknown secondary tier type {kind!r}; known: {known} (or give 'module_path')"
         )
     return _resolve(entry) if isinstance(entry, str) else entry
+
+
+# Checks of a type's keys that need no I/O, run when a CascadeConfig is built.
+_CHECKS: dict[str, str] = {"fs": "kvcascade.tiers.fs:check_fs_tier_config"}
+
+
+def check_tier_config(tier_cfg: dict[str, Any], block_bytes: int) -> None:
+    """Refuse a ``secondary_tiers`` entry that could not build a tier, without building it:
+    unknown type, keys its factory does not take, missing required keys, and for the built-in
+    types the keys' values.
+
+    Raises:
+        ConfigError: see :func:`resolve_tier_factory` and the type's checker (e.g.
+            :func:`kvcascade.tiers.fs.check_fs_tier_config`).
+    """
+    factory = resolve_tier_factory(tier_cfg)
+    kwargs = {k: v for k, v in tier_cfg.items() if k not in ("type", "module_path")}
+    kwargs.setdefault("name", tier_cfg["type"])
+    try:
+        inspect.signature(factory).bind(None, **kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"secondary tier {tier_cfg['type']!r}: {exc}") from exc
+    check = _CHECKS.get(tier_cfg["type"]) if not tier_cfg.get("module_path") else None
+    if check is not None:
+        _resolve(check)(kwargs, block_bytes)
 
 
 def create_secondary_tier(tier_cfg: dict[str, Any], ctx: TierContext) -> SecondaryTier:

@@ -573,6 +573,15 @@ class S3Tier(SecondaryTier):
         async with self._sem:
             await self._send("delete_object", Key=self.object_key(key))
 
+    async def _remove(self, keys: Sequence[bytes]) -> list[bool]:
+        """HEAD then DELETE each key's object (S3's DELETE does not say whether it existed)."""
+        present = list(await asyncio.gather(*(self._head(k) for k in keys)))
+        await asyncio.gather(*(self._delete(k) for k, was in zip(keys, present) if was))
+        for key in keys:
+            if key in self._known:
+                self._forget(key)
+        return present
+
     def _stored_event_keys(self, keys: Sequence[bytes]) -> list[bytes]:
         if self.max_bytes is None:
             return list(keys)

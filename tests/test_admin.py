@@ -1,0 +1,104 @@
+"""``kvcascade inspect`` / ``kvcascade purge`` on fs tier directories written by real replays
+(issue #21 item 6)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from kvcascade._admin import inspect_root, parse_age
+from kvcascade._cli import main
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two namespaces (two block sizes) written by two short replays."""
+    out = tmp_path_factory.mktemp("fs")
+    for block_bytes in ("4096", "8192"):
+        args = ["replay", "--requests", "20", "--fs-dir", str(out), "--quiet"]
+        assert main([*args, "--block-bytes", block_bytes, "--cpu-blocks", "16"]) == 0
+    return out
+
+
+@pytest.fixture
+def root(written: Path, tmp_path: Path) -> Path:
+    """A fresh copy of the two namespaces for each test."""
+    return Path(shutil.copytree(written, tmp_path / "root"))
+
+
+def blocks_on_disk(root: Path, namespace: str) -> list[Path]:
+    return [p for p in root.glob(f"{namespace}_r*/**/*.bin")]
+
+
+def test_inspect_lists_each_namespace_with_its_files(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    capsys.readouterr()
+    assert main(["inspect", str(root), "--json", str(root / "ls.json")]) == 0
+    out = capsys.readouterr().out
+    usages = inspect_root(root)
+    assert len(usages) == 2
+    for u in usages:
+        files = blocks_on_disk(root, u.name)
+        assert u.blocks == len(files) > 0
+        assert u.bytes == sum(f.stat().st_size for f in files)
+        assert u.identity is not None and u.identity["model_name"] == "kvcascade-replay"
+        assert u.name in out and f"{u.blocks:,}" in out
+    rows = json.loads((root / "ls.json").read_text())
+    assert [r["name"] for r in rows] == [u.name for u in usages]
+
+
+def test_purge_one_namespace_leaves_the_other(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gone, kept = (u.name for u in inspect_root(root))
+    kept_files = sorted(blocks_on_disk(root, kept))
+    n = len(blocks_on_disk(root, gone))
+    assert main(["purge", str(root), "--namespace", gone]) == 0
+    assert f"removed {n:,} files" in capsys.readouterr().out
+    assert [u.name for u in inspect_root(root)] == [kept]
+    assert not list(root.glob(f"{gone}*"))
+    assert sorted(blocks_on_disk(root, kept)) == kept_files
+
+
+def test_purge_older_than_removes_only_old_blocks(root: Path) -> None:
+    name = inspect_root(root)[0].name
+    files = sorted(blocks_on_disk(root, name))
+    old = files[: len(files) // 2]
+    week_ago = time.time() - 8 * 86400
+    for path in old:
+        os.utime(path, (week_ago, week_ago))
+    assert main(["purge", str(root), "--older-than", "7d", "--all"]) == 0
+    assert sorted(blocks_on_disk(root, name)) == files[len(old) :]
+    assert len(inspect_root(root)) == 2  # namespaces stay; only old blocks went
+
+
+def test_purge_refuses_without_a_filter_and_names_bad_values(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = {u.name: u.blocks for u in inspect_root(root)}
+    for argv, message in [
+        ([], "give --namespace, --older-than or --all"),
+        (["--namespace", "nope"], "no namespace ['nope']"),
+        (["--older-than", "7 days"], "got '7 days'"),
+    ]:
+        assert main(["purge", str(root), *argv]) == 2
+        assert message in capsys.readouterr().err
+    assert {u.name: u.blocks for u in inspect_root(root)} == before
+    assert main(["inspect", str(root / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_parse_age() -> None:
+    assert [parse_age(t) for t in ("90s", "30m", "12h", "7d", "2w")] == [
+        90,
+        1800,
+        43200,
+        604800,
+        1209600,
+    ]
