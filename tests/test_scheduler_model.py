@@ -180,8 +180,8 @@ class SchedulerModel(RuleBasedStateMachine):
     @rule(
         family=st.sampled_from(FAMILIES),
         sizes=st.lists(st.tuples(st.integers(1, 3), st.integers(1, T - 1)), min_size=1, max_size=3),
-        max_new=st.integers(2, 4),
-        foreign=st.sampled_from([False, False, True]),
+        max_new=st.integers(1, 4),
+        foreign=st.booleans(),
     )
     def add_requests(
         self, family: str, sizes: list[tuple[int, int]], max_new: int, foreign: bool
