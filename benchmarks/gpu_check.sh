@@ -10,7 +10,9 @@
 # 4. prints H2D (load) and D2H (store) GB/s for pages 4 KiB … 2 MiB: swap_blocks with the C++ op
 #    and with the Triton kernel, on a side stream, against one contiguous torch copy_ from/to
 #    pinned memory of the same bytes (plain cudaMemcpyAsync);
-# 5. times the CUDA event → asyncio future bridge;
+# 5. times the CUDA event → asyncio future bridge; then, through the asyncio API's DeviceTier
+#    (issue #15): H2D/D2H GB/s from a pinned vs a pageable host buffer, event-loop lag while
+#    device copies run, and a load's latency while a long store runs (one bridge per direction);
 # 6. runs `kvcascade calibrate` (both directions) into $KVCASCADE_BUILD_DIR/kernel_settings.json
 #    (not the user's settings file) and prints the crossover it found;
 # 7. replays the first 2,000 requests of the bundled trace with the KV cache on the GPU, every
@@ -155,6 +157,85 @@ async def main():
     print("awaited load (launch+copy+bridge) p50/p99 µs:", us(lat).round(1))
     print("plain copy + event.synchronize p50/p99 µs: ", us(direct).round(1))
     device.close(); host.close()
+
+asyncio.run(main())
+EOF
+
+echo "== DeviceTier (issue #15): pinned vs pageable GB/s, loop lag, bridge latency per direction"
+timeout 180 "$PY" - <<'EOF' || status=1
+import asyncio, statistics, time
+import numpy as np, torch
+import kvcascade as kc
+from kvcascade.tiers.device import DeviceTier
+
+PAGE, N = 256 << 10, 512  # one transfer: 512 pages of 256 KiB = 128 MiB
+
+
+async def ticker(lags, stop):
+    """Event-loop lag: how late a 1 ms sleep wakes up while transfers run."""
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        await asyncio.sleep(0.001)
+        lags.append(time.perf_counter() - t0 - 0.001)
+
+
+async def bandwidth(pinned):
+    host = kc.HostBuffer(N, PAGE)
+    if not pinned:
+        host.pin = lambda: False  # keep this buffer pageable, for the comparison only
+    device = DeviceTier(N, host)
+    assert host.pinned == pinned, (host.pinned, pinned)
+    ids = np.arange(N)
+    gbs, lags, stop = {}, [], asyncio.Event()
+    tick = asyncio.ensure_future(ticker(lags, stop))
+    for name, op in (("h2d", device.load), ("d2h", device.store)):
+        assert (await op(ids, ids)).success  # warm-up
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            assert (await op(ids, ids)).success
+            times.append(time.perf_counter() - t0)
+        gbs[name] = N * PAGE / statistics.median(times) / 1e9
+    stop.set()
+    await tick
+    device.close()
+    host.close()
+    return gbs, np.percentile(np.array(lags) * 1e3, [50, 99, 100])
+
+
+async def per_direction():
+    """A 4-page load submitted while a 128 MiB store runs: its latency, and whether it had to
+    wait for the store (one bridge per direction: it never should)."""
+    host = kc.HostBuffer(N, PAGE)
+    device = DeviceTier(N, host)
+    small, ids = np.arange(4), np.arange(N)
+    for _ in range(3):
+        assert (await device.load(small, small)).success
+    lat, behind = [], 0
+    for _ in range(20):
+        store = asyncio.ensure_future(device.store(ids, ids))
+        await asyncio.sleep(0.001)  # the store is launched first
+        t0 = time.perf_counter()
+        assert (await device.load(small, small + N // 2)).success
+        lat.append(time.perf_counter() - t0)
+        behind += store.done()
+        assert (await store).success
+    device.close()
+    host.close()
+    return np.array(lat) * 1e6, behind
+
+
+async def main():
+    ext = kc.ops.extension_available()  # the build is cached by the build step above
+    print(f"extension built: {ext}")
+    for pinned in (True, False):
+        gbs, lag = await bandwidth(pinned)
+        label = "pinned  " if pinned else "pageable"
+        print(f"{label} h2d {gbs['h2d']:6.2f} GB/s  d2h {gbs['d2h']:6.2f} GB/s  "
+              f"loop lag p50/p99/max {lag[0]:.2f}/{lag[1]:.2f}/{lag[2]:.2f} ms")
+    us, behind = await per_direction()
+    print(f"4-page load during a 128 MiB store: p50/p99 {np.percentile(us, 50):.0f}/"
+          f"{np.percentile(us, 99):.0f} µs; waited for the store in {behind}/{len(us)} runs")
 
 asyncio.run(main())
 EOF

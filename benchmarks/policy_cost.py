@@ -6,10 +6,11 @@ distinct keys ``sha256(i) + group 0``, fed in order ``--batch`` keys per call th
 batch, at capacity ``n`` (no eviction) and ``n // 10`` (90 % of the keys evict one). Time: wall
 time of the loop / n, best and median of ``--runs`` fresh managers. Memory: ``tracemalloc``
 bytes of a manager filled to ``--n`` ready blocks / n (keys allocated before tracing; for the
-turn-aware policy the directory is included, for ARC its ghosts are not yet filled).
+turn-aware and adaptive policies the directory and the shadow LRU are included, for ARC and
+S3-FIFO their ghosts are not yet filled).
 
     python benchmarks/policy_cost.py [--n 100000] [--runs 3] [--batch 16]
-        [--policies lru,arc,turn_aware]
+        [--policies lru,arc,s3fifo,turn_aware,adaptive]
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n", type=int, default=100_000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--policies", default="lru,arc,turn_aware")
+    parser.add_argument("--policies", default="lru,arc,s3fifo,turn_aware,adaptive")
     args = parser.parse_args(argv)
     keys = _keys(args.n)
     print(f"{'policy':<12}{'capacity':>10}{'best µs/key':>13}{'median µs/key':>15}{'B/block':>9}")

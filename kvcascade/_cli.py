@@ -87,6 +87,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="S3 endpoint of the s3 tier, e.g. http://127.0.0.1:9000 for MinIO (default: AWS)",
     )
+    rp.add_argument(
+        "--valkey",
+        metavar="URL",
+        help="add a valkey tier on this Valkey / Redis server, e.g. redis://127.0.0.1:6379, "
+        "after the other tiers (a password goes in --config's 'password'; docs/valkey-tier.md)",
+    )
     rp.add_argument("--eviction-policy", help="CPU tier eviction policy (lru, …)")
     rp.add_argument("--config", help="JSON object (or @file) of kv_connector_extra_config keys")
     rp.add_argument("--json", dest="json_path", help="write the report as JSON to this path")
@@ -213,6 +219,12 @@ def build_replay_config(
         s3[0]["bucket"] = args.s3_bucket
         if args.s3_endpoint:
             s3[0]["endpoint_url"] = args.s3_endpoint
+    if args.valkey and isinstance(tiers, list):
+        valkey = [t for t in tiers if isinstance(t, dict) and t.get("type") == "valkey"]
+        if not valkey:
+            valkey = [{"type": "valkey"}]
+            tiers.append(valkey[0])
+        valkey[0]["url"] = args.valkey
     extra["secondary_tiers"] = tiers
     cpu_blocks = args.cpu_blocks
     if cpu_blocks is None and "cpu_bytes_to_use" not in extra and "cpu_blocks" not in extra:

@@ -47,7 +47,7 @@ def _positive_int(name: str, value: Any, *, allow_zero: bool = False) -> int:
     return value
 
 
-_SECRET_KEYS = frozenset({"access_key", "secret_key", "session_token"})
+_SECRET_KEYS = frozenset({"access_key", "secret_key", "session_token", "password"})
 
 
 def redact(tier: dict[str, Any]) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from ._types import (
     ScheduleEndContext,
     TransferJob,
 )
+from .backpressure import CascadeAdmission
 from .hints import admits_new_blocks
 from .index.cpu import CPUOffloadingManager
 from .metrics import TieringMetrics
@@ -114,6 +115,7 @@ class TieringCoordinator:
         self.metrics = TieringMetrics([t.name for t in self.tiers], registry)
         self.metrics.primary_write_usage.set_function(lambda: self._primary_usage(False))
         self.metrics.primary_read_usage.set_function(lambda: self._primary_usage(True))
+        self.admission = CascadeAdmission(self.tiers, primary.num_blocks, self.metrics)
         self._job_counter = 0
         self._jobs: dict[int, tuple[TransferJob, int, asyncio.Future[JobResult]]] = {}
         self._pending_promotions: list[dict[str, _PendingPromotion]] = [{} for _ in self.tiers]
@@ -176,6 +178,8 @@ class TieringCoordinator:
             return  # a job from before reset_cache
         job, tier_idx, _ = entry
         label = self.metrics.tier_label(tier_idx)
+        if not job.is_promotion:
+            self.admission.finished(tier_idx, len(job.keys))
         if result.abandoned:
             self._abandon(job, label)
             return
@@ -504,9 +508,13 @@ class TieringCoordinator:
 
     def cascade(
         self, keys: Collection[bytes], ctx: ReqContext, tier_idx: int
-    ) -> asyncio.Future[JobResult]:
-        """Pin ``keys`` (present and ready in the primary tier) and store them to one tier."""
+    ) -> asyncio.Future[JobResult] | None:
+        """Pin ``keys`` (present and ready in the primary tier) and store them to one tier;
+        None when back-pressure refuses the store (:mod:`kvcascade.backpressure`: nothing is
+        pinned, the drop is counted)."""
         keys = list(keys)
+        if not self.admission.admit(tier_idx, len(keys)):
+            return None
         spec = self.primary.prepare_load(keys, ctx)
         job = TransferJob(self._next_job_id(), keys, spec.block_ids, False, ctx)
         return self._submit(tier_idx, job)

@@ -36,6 +36,11 @@ class TieringMetrics:
         active_promotion_jobs / active_cascade_jobs: jobs in flight (gauges).
         primary_write_usage / primary_read_usage: fraction of primary slots being written /
             pinned by reads (gauges, unlabelled).
+        cascade_queued_blocks: blocks of cascades admitted and not finished, each pinned in the
+            primary (gauge; :mod:`kvcascade.backpressure`).
+        cascade_dropped_blocks: blocks of cascades dropped by back-pressure (never submitted).
+        cascade_throughput_bytes: the tier's recent cascade finishing rate, bytes per second
+            (gauge; 0 until measured).
     """
 
     def __init__(
@@ -89,6 +94,25 @@ class TieringMetrics:
             "kvcascade_primary_read_usage_perc", "Primary slots pinned by reads", registry=r
         )
 
+        self.cascade_queued_blocks = Gauge(
+            "kvcascade_cascade_queued_blocks",
+            "Cascade blocks admitted, not finished (pinned)",
+            ["tier"],
+            registry=r,
+        )
+        self.cascade_dropped_blocks = Counter(
+            "kvcascade_cascade_dropped_blocks",
+            "Cascade blocks dropped by back-pressure",
+            ["tier"],
+            registry=r,
+        )
+        self.cascade_throughput_bytes = Gauge(
+            "kvcascade_cascade_throughput_bytes",
+            "Recent cascade finishing rate, bytes/s",
+            ["tier"],
+            registry=r,
+        )
+
     def tier_label(self, tier_idx: int | None) -> str:
         """Label of secondary tier ``tier_idx`` (None: the primary)."""
         return self.labels[0 if tier_idx is None else tier_idx + 1]
@@ -108,6 +132,8 @@ _UNLABELLED = {
     "primary_read_usage_perc",
 }
 _GAUGES = {
+    "cascade_queued_blocks",
+    "cascade_throughput_bytes",
     "active_promotion_jobs",
     "active_cascade_jobs",
     "primary_write_usage_perc",

@@ -10,6 +10,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from test_kernels import build_in_progress, still_building  # noqa: F401 (fixture)
 
 import kvcascade as kc
 from kvcascade.tiers.device import DeviceTier, EventBridge
@@ -132,5 +133,98 @@ def test_device_store_matches_index_copy(dev: str) -> None:
     result = asyncio.run(device.store(gpu, cpu))
     assert result.success
     assert torch.equal(host.tensor()[cpu], device.kv[gpu].cpu())
+    device.close()
+    host.close()
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+async def test_first_copies_do_not_wait_for_the_kernel_build(
+    dev: str,
+    build_in_progress,  # noqa: F811
+) -> None:
+    """Issue #15 defect 3: while the extension compiles, transfers complete on the fallback path
+    (CUDA: the torch stream fallback) with the right bytes; the build is still running."""
+    host = kc.HostBuffer(4, PAGE)
+    device = DeviceTier(4, host, device=dev)
+    fill(device.kv)
+    stored = await device.store([2, 0], [1, 3])
+    assert stored.success, stored.error
+    assert host.tensor()[1].unique().tolist() == [3] and host.tensor()[3].unique().tolist() == [1]
+    device.kv.zero_()
+    loaded = await device.load([1, 3], [0, 1])
+    assert loaded.success, loaded.error
+    assert [int(device.kv[b, 0]) for b in range(3)] == [3, 1, 0]
+    assert still_building()
+    device.close()
+    host.close()
+
+
+def test_host_buffer_pin_without_cuda_stays_pageable() -> None:
+    """The fallback of :meth:`HostBuffer.pin`: no CUDA → not pinned, rows still usable."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: pinning is tested by test_cuda_host_buffer_is_pinned")
+    host = kc.HostBuffer(2, PAGE)
+    assert host.pin() is False and not host.pinned
+    host.tensor()[1] = 7
+    assert bytes(host.row(1)) == bytes([7]) * PAGE
+    host.close()
+
+
+@needs_cuda
+def test_cuda_host_buffer_is_pinned() -> None:
+    """Issue #15 defect 5: on CUDA the device tier registers the host buffer (DMA, async copies
+    and the Triton path); closing the buffer unregisters it."""
+    host = kc.HostBuffer(8, 4096)
+    assert not host.tensor().is_pinned()
+    device = DeviceTier(8, host, device="cuda")
+    assert host.pinned and host.tensor().is_pinned()
+    assert host.pin() is True  # idempotent
+    device.close()
+    host.close()
+    assert not host.pinned
+
+
+@needs_cuda
+async def test_cuda_copies_run_off_the_loop_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #15 defect 5: the copy (synchronous in CUDA from pageable memory) is issued on the
+    direction's worker thread, never on the event-loop thread."""
+    from kvcascade.tiers import device as device_mod
+
+    threads: list[int] = []
+    real = device_mod.batch_copy
+
+    def spy(*args, **kwargs):  # records the thread, then copies for real
+        threads.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(device_mod, "batch_copy", spy)
+    host = kc.HostBuffer(4, 64 << 10)  # 64 KiB pages: the C++ op, not Triton
+    device = DeviceTier(4, host, device="cuda")
+    fill(device.kv)
+    assert (await device.store([0, 1], [0, 1])).success
+    assert (await device.load([0, 1], [2, 3])).success
+    assert len(threads) == 2 and threading.get_ident() not in threads
+    assert torch.equal(device.kv[2:].cpu(), device.kv[:2].cpu())
+    device.close()
+    host.close()
+
+
+@needs_cuda
+async def test_finished_load_does_not_wait_behind_a_slow_store() -> None:
+    """Issue #15 defect 5: one event bridge per direction. The store stream is held by a GPU
+    sleep; a load submitted after it resolves while the store is still running."""
+    host = kc.HostBuffer(4, 4096)
+    device = DeviceTier(4, host, device="cuda")
+    torch.cuda._sleep(1)  # warm-up: compile the sleep kernel
+    with torch.cuda.stream(device._streams["store"]):
+        torch.cuda._sleep(int(1e10))  # ~5 s of GPU cycles, only on the store stream
+    store = asyncio.ensure_future(device.store([0], [0]))
+    await asyncio.sleep(0.2)  # the store's end event reaches its bridge first
+    assert (await device.load([1], [1])).success
+    assert not store.done()
+    assert (await store).success
     device.close()
     host.close()

@@ -331,7 +331,7 @@ async def test_drain_waits_and_close_fails_queued_jobs(tmp_path: Path, host: kc.
 # -- corruption (spec §9.11 212–215) -------------------------------------------------------
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 async def test_corrupt_file_is_deleted_and_verdict_corrected(
-    tmp_path: Path, host: kc.HostBuffer, damage: str
+    tmp_path: Path, host: kc.HostBuffer, damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """§9.11 212: a good load keeps HIT and the file; a truncated file, or one with a byte
     flipped (same length), fails the load as corrupt, is deleted, counted, and the same request
@@ -353,6 +353,8 @@ async def test_corrupt_file_is_deleted_and_verdict_corrected(
         assert not failed.success
         assert ("short file" if damage == "truncate" else "checksum mismatch") in failed.error
         assert not path.exists() and tier.counters["corrupt_blocks"] == 1
+        warned = [r for r in caplog.records if r.levelname == "WARNING" and str(path) in r.message]
+        assert len(warned) == 1  # issue #21 item 10: one warning per corrupt block, not two
         assert tier.lookup(key(1), ctx) is R.MISS
         assert await lookups(tier, [key(1)], kc.ReqContext("new")) == [R.MISS]
 

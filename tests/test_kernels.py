@@ -14,6 +14,8 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -467,6 +469,136 @@ def test_plan_errors() -> None:
         plan_chunk_copies([1, 1], [0], [0, 1], [0, 1], 1)
     with pytest.raises(ValueError, match="size -1"):
         plan_chunk_copies([-1], [0], [], [], 1)
+
+
+@pytest.fixture
+def build_in_progress(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """The extension is "still compiling": the load state is reset and the build step (the
+    compiler, not the code under test) blocks until the yielded gate is set, then returns the
+    extension this process already built. A build still blocked proves nobody waited for it."""
+    ext = _build.load_extension()
+    if ext is None:
+        pytest.skip(f"extension not built: {_build.extension_error()}")
+    gate = threading.Event()
+
+    def compiling() -> object:
+        gate.wait(30)
+        return ext
+
+    for name, value in (("_extension", None), ("_attempted", False), ("_background", None)):
+        monkeypatch.setattr(_build, name, value)
+    monkeypatch.setattr(_build, "_build_in_child", lambda: None)  # "built"; loading blocks
+    monkeypatch.setattr(_build, "_build", compiling)
+    yield gate
+    gate.set()
+    if _build._background is not None:
+        _build._background.join(35)
+
+
+def still_building() -> bool:
+    return _build._background is not None and _build._background.is_alive()
+
+
+def test_host_copy_does_not_wait_for_a_running_build(build_in_progress) -> None:
+    """Issue #15 defect 3: the serving path copies with the fallback while the build runs in
+    the background, and uses the extension once it has loaded."""
+    src = _random_rows(4, 64, seed=3)
+    dst = torch.zeros_like(src)
+    s, d, z = plan_descriptors(
+        plan_chunk_copies([2], [0], [0, 3], [2, 1], 1), src, dst, 64, store=True
+    )
+    assert batch_copy(s, d, z, wait_for_build=False) == 128
+    assert still_building()
+    assert torch.equal(dst[2], src[0]) and torch.equal(dst[1], src[3])
+    assert select_kernel(src, dst, 2, wait_for_build=False) == "torch"
+    build_in_progress.set()
+    _build._background.join(35)
+    assert select_kernel(src, dst, 2, wait_for_build=False) == "cpp"
+
+
+def test_build_outlives_a_process_that_exits_mid_build(tmp_path: Path) -> None:
+    """Issue #15 defect 3: a process that starts the background build and exits (an offline
+    job) must not leave ninja running without the build's lock — the next process's ninja would
+    race it on the same object files. The build runs in a child process holding the ``flock``
+    until it is done: once the lock is free the extension is complete."""
+    import fcntl
+    import time
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler")
+    code = textwrap.dedent(
+        """
+        import time
+        from kvcascade.ops import _build
+        name = _build.extension_spec()[0]
+        print(name, flush=True)
+        assert _build.extension_if_ready() is None
+        ninja = _build.build_dir(name) / "build.ninja"
+        while not ninja.exists():  # torch writes it under the lock, just before running ninja
+            time.sleep(0.01)
+        """
+    )
+    env = {**os.environ, "KVCASCADE_BUILD_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    name = proc.stdout.strip()
+    with open(tmp_path / name / "kvcascade.flock", "a") as handle:
+        deadline = time.monotonic() + 1200
+        while True:  # the builder may take minutes on a busy machine
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, "the build did not finish"
+                time.sleep(0.5)
+        assert (tmp_path / name / f"{name}.so").is_file()
+
+
+def test_triton_probe_does_not_wait_for_a_running_build(build_in_progress, monkeypatch) -> None:
+    """Issue #15 defect 3: probing for Triton (done by every "auto" dispatch) took the lock the
+    C++ build holds for its whole minute; it has its own lock now."""
+    monkeypatch.setattr(_build, "_triton_attempted", False)
+    monkeypatch.setattr(_build, "_triton", None)
+    assert _build.extension_if_ready() is None
+    _build.load_triton()
+    assert still_building()
+
+
+def test_stream_copy_that_does_not_wait_needs_host_side() -> None:
+    """The stream fallback must know which side is host memory; refused before any copy."""
+    src = _random_rows(2, 16, seed=4)
+    dst = torch.zeros_like(src)
+    s, d, z = plan_descriptors([ChunkCopy(0, 1, 0)], src, dst, 16, store=True)
+    with pytest.raises(ValueError, match=r"host_side must be 'src' or 'dst'.*got 'gpu'"):
+        batch_copy(s, d, z, stream=0, wait_for_build=False, host_side="gpu")
+    assert int(dst.abs().sum()) == 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
+@pytest.mark.parametrize("store", [True, False], ids=["store", "load"])
+def test_stream_copy_fallback_matches_the_extension(pinned: bool, store: bool) -> None:
+    """The torch fallback used while the extension builds moves the same bytes as the C++ op."""
+    k, page = 2, 48
+    gpu = _random_rows(8, page, seed=21).cuda()
+    host = _host(_random_rows(4, k * page + 16, seed=22), pinned)
+    plan = plan_chunk_copies([3], [1], [5, 0, 7], [3, 1], k)
+    outs = []
+    for fallback in (True, False):
+        g, h = gpu.clone(), host.clone()
+        h = _host(h, pinned)
+        desc = plan_descriptors(plan, g, h, page, store=store)
+        stream = torch.cuda.Stream()
+        if fallback:
+            n = swap_mod._stream_copy_fallback(*desc, stream, load=not store)
+        else:
+            n = batch_copy(*desc, stream=stream, src_access_any=not store)
+        stream.synchronize()
+        assert n == 3 * page
+        outs.append((g.cpu(), h.clone()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -18,7 +18,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvcascade import ConfigError, CPUOffloadingManager, LookupResult
+from kvcascade import ConfigError, CPUOffloadingManager, LookupResult, ReqContext
 from kvcascade.policies import (
     ARCCachePolicy,
     BlockStatus,
@@ -29,6 +29,7 @@ from kvcascade.policies import (
     registry,
     resolve_cache_policy,
 )
+from kvcascade.policies.s3fifo import S3FIFOCachePolicy
 
 
 @pytest.fixture
@@ -287,6 +288,10 @@ class ARCManagerMachine(ManagerMachine):
     policy_name = "arc"
 
 
+class S3FIFOManagerMachine(ManagerMachine):
+    policy_name = "s3fifo"
+
+
 _settings = settings(
     max_examples=150,
     stateful_step_count=50,
@@ -297,3 +302,38 @@ TestLRUManagerModel = ManagerMachine.TestCase
 TestLRUManagerModel.settings = _settings
 TestARCManagerModel = ARCManagerMachine.TestCase
 TestARCManagerModel.settings = _settings
+TestS3FIFOManagerModel = S3FIFOManagerMachine.TestCase
+TestS3FIFOManagerModel.settings = _settings
+
+
+def _s3_request(mgr: CPUOffloadingManager, keys: list[bytes], req: str) -> list[bytes]:
+    ctx = ReqContext(req)
+    mgr.touch(keys, ctx)
+    out = mgr.prepare_store(keys, ctx)
+    assert out is not None
+    mgr.complete_store(out.keys_to_store, ctx)
+    mgr.touch(keys, ctx)
+    return out.evicted_keys
+
+
+def test_s3fifo_evicts_one_hit_blocks_first_and_readmits_ghosts_to_main() -> None:
+    mgr = CPUOffloadingManager(10, "s3fifo")
+    policy = mgr.policy
+    assert isinstance(policy, S3FIFOCachePolicy)
+    for i in range(10):
+        assert _s3_request(mgr, [b"k%d" % i], f"r{i}") == []
+    mgr.touch([b"k0"], ReqContext("reader"))  # a second request reads k0
+    # The storing request's own touches are no reuse: k1 … k9 are one-hit blocks.
+    assert _s3_request(mgr, [b"n0"], "n0") == [b"k1"]  # k0 went to main instead
+    assert list(policy._main) == [b"k0"]
+    assert list(policy._ghost) == [b"k1"]
+    assert _s3_request(mgr, [b"k1"], "again") == [b"k2"]
+    assert list(policy._main) == [b"k0", b"k1"]  # a ghost comes back into main
+    assert b"k1" not in policy._ghost
+
+
+def test_s3fifo_keeps_a_request_head_longest() -> None:
+    """Deepest first within a request: the closing touch orders the chain head last."""
+    mgr = CPUOffloadingManager(3, "s3fifo")
+    _s3_request(mgr, [b"a", b"b", b"c"], "chain")
+    assert _s3_request(mgr, [b"x"], "other") == [b"c"]

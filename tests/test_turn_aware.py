@@ -16,6 +16,7 @@ from kvcascade._compare import storable_blocks
 from kvcascade._trace import TraceRequest
 from kvcascade.hints import SessionHint, admits_new_blocks, hint_of
 from kvcascade.policies import BlockStatus, TurnAwareCachePolicy, resolve_cache_policy
+from kvcascade.policies.adaptive import AdaptiveCachePolicy
 from kvcascade.policies.turn_aware import _Request
 
 CAPACITY = 4
@@ -40,10 +41,11 @@ class TurnAwareMachine(RuleBasedStateMachine):
 
     loads = Bundle("loads")
     stores = Bundle("stores")
+    policy_name = "turn_aware"
 
     def __init__(self) -> None:
         super().__init__()
-        self.mgr = CPUOffloadingManager(CAPACITY, "turn_aware")
+        self.mgr = CPUOffloadingManager(CAPACITY, self.policy_name)
         self.policy = self.mgr.policy
         assert isinstance(self.policy, TurnAwareCachePolicy)
         self.now = 0.0
@@ -130,13 +132,30 @@ class TurnAwareMachine(RuleBasedStateMachine):
                 assert entry.children == 0 and entry.block.ref_cnt == 0, key
 
 
-TestTurnAwareMachine = TurnAwareMachine.TestCase
-TestTurnAwareMachine.settings = settings(
+class AdaptiveMachine(TurnAwareMachine):
+    """The same contract for the adaptive policy, in both of its modes."""
+
+    policy_name = "adaptive"
+
+    @rule()
+    def flip_mode(self) -> None:
+        self.policy.lru_mode = not self.policy.lru_mode
+
+    @invariant()
+    def shadow_bounded(self) -> None:
+        assert len(self.policy._shadow) <= CAPACITY
+
+
+_machine_settings = settings(
     max_examples=60,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+TestTurnAwareMachine = TurnAwareMachine.TestCase
+TestTurnAwareMachine.settings = _machine_settings
+TestAdaptiveMachine = AdaptiveMachine.TestCase
+TestAdaptiveMachine.settings = _machine_settings
 
 
 def _store(mgr: CPUOffloadingManager, keys: list[bytes], ctx: ReqContext | None = None) -> list:
@@ -349,3 +368,60 @@ def test_saved_state_is_private_and_atomic(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="max_turn"):
         other.load_state(path)
     assert other.state() == TurnAwareCachePolicy(8, max_turn=3).state()  # unchanged
+
+
+def _requests(mgr: CPUOffloadingManager, chains: list[list[bytes]], tag: str) -> list[bytes]:
+    """Each chain as one request (touch, store, closing touch, as the replay); the victims."""
+    victims: list[bytes] = []
+    for i, keys in enumerate(chains):
+        ctx = ReqContext(f"{tag}{i}")
+        victims += _store(mgr, keys, ctx)
+        mgr.touch(keys, ctx)
+    return victims
+
+
+def test_adaptive_starts_in_lru_mode_and_evicts_like_lru() -> None:
+    chains = [[b"r", b"a%d" % i, b"b%d" % i] for i in range(6)] + [[b"r", b"a1", b"b1", b"c1"]]
+    chains += [[b"r", b"x%d" % i] for i in range(5)]
+    adaptive = CPUOffloadingManager(6, "adaptive")
+    adaptive.policy._probe = 1e9  # no probe during the test (a 6-block window is 24 reads)
+    lru = CPUOffloadingManager(6, "lru")
+    assert adaptive.policy.lru_mode
+    assert _requests(adaptive, chains, "q") == _requests(lru, chains, "q")
+    assert sorted(adaptive.policy.keys()) == sorted(lru.policy.keys())
+    assert adaptive.policy.lru_mode and adaptive.policy.switches == 0
+    assert adaptive.policy.admits(ReqContext("any"), 100)
+
+
+def test_adaptive_leaves_turn_aware_mode_when_the_shadow_lru_hits_more() -> None:
+    """A request the real cache misses but an LRU cache would hit counts against the
+    turn-aware mode: a probe after ``probe_factor`` windows in LRU mode, back to LRU mode once
+    the shadow leads beyond chance, and a failed probe doubles the wait."""
+    policy = AdaptiveCachePolicy(4)
+    base = policy.probe_factor * policy.window_factor * 4  # H = capacity while nothing ages
+    requests = 0
+
+    def request() -> None:
+        # Touched but never stored: the real cache misses, the shadow LRU holds both keys.
+        nonlocal requests
+        requests += 1
+        policy.touch([b"r", b"a"], ReqContext(f"q{requests}"))
+
+    request()
+    assert policy.lru_mode and policy._probe == base
+    while policy.lru_mode:
+        request()
+    assert requests == base // 2 and policy.switches == 1 and policy._probing  # 2 reads each
+    probe_started = requests
+    while not policy.lru_mode:
+        request()
+    assert requests - probe_started >= 3  # one request is not evidence
+    assert policy.switches == 2 and policy._probe == 2 * base and not policy._probing
+
+
+def test_adaptive_parameters_are_checked() -> None:
+    for bad in ({"window_factor": 0}, {"switch_margin": -1}, {"probe_factor": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            AdaptiveCachePolicy(4, **bad)
+    with pytest.raises(ValueError, match="max_turn"):
+        AdaptiveCachePolicy(4, max_turn=0)

@@ -633,12 +633,22 @@ class _WorkerSide:
         if not parts:
             return 0, time.perf_counter() - start
         src, dst, sizes = (torch.cat(column) for column in zip(*parts))
+        # wait_for_build=False: until the kernels are built (in the background) the copies use
+        # batch_copy's fallbacks — a compile never holds up a store (issue #15).
         if ready is None:
-            total = batch_copy(src, dst, sizes)
+            total = batch_copy(src, dst, sizes, wait_for_build=False)
         else:
             stream = self._streams[store]
             stream.wait_event(ready)
-            total = batch_copy(src, dst, sizes, stream=stream, src_access_any=not store)
+            total = batch_copy(
+                src,
+                dst,
+                sizes,
+                stream=stream,
+                src_access_any=not store,
+                wait_for_build=False,
+                host_side="dst" if store else "src",
+            )
             done = torch.cuda.Event(blocking=True)  # the waiting thread sleeps in the driver
             done.record(stream)
             done.synchronize()

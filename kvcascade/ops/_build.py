@@ -2,10 +2,20 @@
 
 :func:`load_extension` builds once per process with :func:`torch.utils.cpp_extension.load` into
 ``$KVCASCADE_BUILD_DIR`` or ``~/.cache/kvcascade/torch_extensions/<name>``, where ``<name>`` hashes
-the sources, the torch and Python versions and the CUDA flag, so a cached build is reused across
-processes and never mixed with another torch. The CUDA source is compiled in only when torch was
-built with CUDA and a device is available. If the build fails, one warning is logged and ``None``
-is returned; callers fall back to the pure-torch path.
+the sources and their directory, the torch version and location, the interpreter
+(``sys.executable``, ``sys.prefix``, Python version) and the CUDA flag. torch's ``build.ninja``
+records the source paths and the environment's include and library paths, so two virtualenvs
+(or two checkouts) sharing one directory would rebuild each other's extension on every start;
+keyed this way each environment builds once and reuses its build across processes
+(an exclusive ``flock`` makes concurrent processes of one environment wait for one build). The
+CUDA source is compiled in only when torch was built with CUDA and a device is available. If the
+build fails, one warning is logged and ``None`` is returned; callers fall back to the pure-torch
+path.
+
+No build ever sits on the serving path (issue #15): the copy paths call
+:func:`extension_if_ready`, which starts the build in a child process (watched by a background
+thread) and returns ``None`` until the extension has loaded; meanwhile they copy with the
+fallbacks of :func:`kvcascade.ops.batch_copy`.
 
 Sources are found in ``kvcascade/_kernels`` (installed wheel, hatchling force-include) or
 ``<repo>/kernels`` (source checkout); ``KVCASCADE_KERNELS_DIR`` overrides both.
@@ -19,6 +29,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import subprocess
 import sys
 import threading
 import warnings
@@ -41,6 +52,7 @@ _attempted = False
 _error: str | None = None
 _triton: ModuleType | None = None
 _triton_attempted = False
+_triton_lock = threading.Lock()  # not _lock: a C++ build holds that for a minute
 _background: threading.Thread | None = None
 _start_lock = threading.Lock()
 
@@ -78,13 +90,37 @@ def _hashed_files(src_dir: Path, sources: list[Path]) -> list[Path]:
     return sources + [p for p in included if p not in sources]
 
 
-def _extension_name(files: list[Path], with_cuda: bool, src_dir: Path) -> str:
+def extension_spec() -> tuple[str, list[Path], bool]:
+    """``(name, sources, with_cuda)`` of this environment's build.
+
+    ``name`` hashes every source and header, the CUDA flag, the sources' directory, the torch
+    version and directory, the interpreter (resolved ``sys.executable``) and ``sys.prefix`` —
+    every path ``build.ninja`` records — so it is one name per environment and checkout.
+
+    Raises:
+        FileNotFoundError: no kernel sources (see :func:`kernels_dir`).
+    """
+    src_dir = kernels_dir()
+    if src_dir is None:
+        raise FileNotFoundError("kernel sources not found (kvcascade/_kernels or <repo>/kernels)")
+    with_cuda = cuda_wanted()
+    sources = [src_dir / CPP_SOURCE, src_dir / FS_IO_SOURCE]
+    sources += [src_dir / CUDA_SOURCE] if with_cuda else []
     h = hashlib.sha256()
-    for src in files:
+    for src in _hashed_files(src_dir, sources):
         h.update(src.relative_to(src_dir).as_posix().encode())
         h.update(src.read_bytes())
-    h.update(f"{torch.__version__}|{sys.version_info[:2]}|{with_cuda}".encode())
-    return f"kvcascade_swap_{h.hexdigest()[:12]}"
+    env = (
+        str(src_dir.resolve()),
+        torch.__version__,
+        str(Path(torch.__file__).resolve().parent),
+        os.path.realpath(sys.executable),
+        sys.prefix,
+        sys.version_info[:2],
+        with_cuda,
+    )
+    h.update(repr(env).encode())
+    return f"kvcascade_swap_{h.hexdigest()[:12]}", sources, with_cuda
 
 
 @contextlib.contextmanager
@@ -101,13 +137,7 @@ def _exclusive(path: Path) -> Iterator[None]:
 def _build() -> ModuleType:
     from torch.utils import cpp_extension
 
-    src_dir = kernels_dir()
-    if src_dir is None:
-        raise FileNotFoundError("kernel sources not found (kvcascade/_kernels or <repo>/kernels)")
-    with_cuda = cuda_wanted()
-    sources = [src_dir / CPP_SOURCE, src_dir / FS_IO_SOURCE]
-    sources += [src_dir / CUDA_SOURCE] if with_cuda else []
-    name = _extension_name(_hashed_files(src_dir, sources), with_cuda, src_dir)
+    name, sources, with_cuda = extension_spec()
     cflags = ["-O3", "-std=c++17", "-pthread"] + (["-DKVCASCADE_WITH_CUDA"] if with_cuda else [])
     directory = build_dir(name)
     with (
@@ -164,10 +194,56 @@ def load_extension() -> ModuleType | None:
     return _extension
 
 
+_CHILD_BUILD = (
+    "import sys\n"
+    "sys.path.insert(0, sys.argv[1])\n"
+    "from kvcascade.ops import _build\n"
+    "if _build.load_extension() is None:\n"
+    "    sys.exit(_build.extension_error())\n"
+)
+
+
+def _build_in_child() -> str | None:
+    """Build in a child process of its own session; ``None`` on success, else its error.
+
+    The child holds the build directory's ``flock`` until ninja is done, even if this process
+    exits meanwhile (a build thread's ninja would outlive its process and the lock with it, and
+    race the next process's ninja on the same object files)."""
+    root = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD_BUILD, root],
+        capture_output=True,
+        text=True,
+        start_new_session=True,
+        check=False,
+    )
+    if proc.returncode == 0:
+        return None
+    lines = proc.stderr.strip().splitlines()
+    return lines[-1] if lines else f"build process exited with status {proc.returncode}"
+
+
+def _background_load() -> None:
+    global _attempted, _error
+    if os.environ.get("KVCASCADE_DISABLE_EXTENSION") != "1":
+        error = _build_in_child()
+        if error is not None:
+            with _lock:
+                if not _attempted:
+                    _error, _attempted = error, True
+                    log.warning(
+                        "kvcascade: building the copy kernels failed, using the pure-torch path "
+                        "(%s)",
+                        error,
+                    )
+            return
+    load_extension()  # built (or disabled): loads in about a second
+
+
 def extension_if_ready() -> ModuleType | None:
-    """The extension if it is already loaded; otherwise start loading it on a background
-    thread (a build takes ~1 min on 2 cores; a cached build loads in about a second) and return
-    ``None`` at once, so a hot path never waits for the compiler."""
+    """The extension if it is already loaded; otherwise start building and loading it in the
+    background (a build takes 1–2 min on 2 cores, in a child process; a cached build loads in
+    about a second) and return ``None`` at once, so a hot path never waits for the compiler."""
     global _background
     if _attempted:
         return _extension
@@ -176,7 +252,7 @@ def extension_if_ready() -> ModuleType | None:
     with _start_lock:  # not _lock: load_extension holds that for the whole build
         if _background is None:
             _background = threading.Thread(
-                target=load_extension, name="kvcascade-kernel-build", daemon=True
+                target=_background_load, name="kvcascade-kernel-build", daemon=True
             )
             _background.start()
     return None
@@ -192,7 +268,7 @@ def load_triton() -> ModuleType | None:
     global _triton, _triton_attempted
     if _triton_attempted:
         return _triton
-    with _lock:
+    with _triton_lock:
         if _triton_attempted:
             return _triton
         _triton_attempted = True

@@ -88,6 +88,7 @@ def batch_copy(
     stream: torch.cuda.Stream | int | None = None,
     src_access_any: bool = False,
     wait_for_build: bool = True,
+    host_side: Literal["src", "dst"] | None = None,
 ) -> int:
     """Copy ``sizes[i]`` bytes from address ``src_ptrs[i]`` to address ``dst_ptrs[i]`` for every i.
 
@@ -100,17 +101,23 @@ def batch_copy(
             stream (``cudaMemcpyBatchAsync`` when available), asynchronous.
         src_access_any: CUDA only — the source may be read out of stream order (safe for host
             memory nobody writes meanwhile, e.g. loads).
-        wait_for_build: host copies only — False: if the extension is not loaded yet, start
-            building it in the background and copy with the (slower) ``ctypes`` fallback now.
+        wait_for_build: False (the serving paths): if the extension is not loaded yet, start
+            building it in the background and copy now with a fallback — ``ctypes.memmove`` per
+            descriptor on the host, a torch ``copy_`` per descriptor on ``stream`` (host side
+            wrapped with ``torch.frombuffer``, device side through ``__cuda_array_interface__``;
+            asynchronous from pinned host memory, synchronous from pageable).
+        host_side: with ``stream`` and ``wait_for_build=False``: which side is host memory
+            (``"src"`` for CPU→GPU, ``"dst"`` for GPU→CPU), so the torch fallback can wrap it.
 
     Returns:
         total bytes copied (or enqueued).
 
     Raises:
         TypeError / ValueError: a descriptor array is not a 1-D int64 CPU tensor, lengths differ, a
-            size is negative, or an address is null.
-        RuntimeError: a CUDA error (message names the descriptor), or ``stream`` given but the
-            extension was built without CUDA.
+            size is negative, an address is null, or ``host_side`` is missing or not ``"src"`` /
+            ``"dst"`` where it is needed.
+        RuntimeError: a CUDA error (message names the descriptor), or ``stream`` given with
+            ``wait_for_build=True`` but the extension was built without CUDA.
     """
     src_ptrs = _as_descriptor_array(src_ptrs, "src_ptrs")
     dst_ptrs = _as_descriptor_array(dst_ptrs, "dst_ptrs")
@@ -120,21 +127,27 @@ def batch_copy(
             f"batch_copy: lengths differ: src_ptrs {len(src_ptrs)}, dst_ptrs {len(dst_ptrs)}, "
             f"sizes {len(sizes)}"
         )
-    if stream is None and not wait_for_build:
-        ext = _build.extension_if_ready()
-    else:
-        ext = _build.load_extension()
+    if stream is not None and not wait_for_build and host_side not in ("src", "dst"):
+        raise ValueError(
+            f"batch_copy: host_side must be 'src' or 'dst' for a stream copy that does not wait "
+            f"for the build, got {host_side!r}"
+        )
+    ext = _build.load_extension() if wait_for_build else _build.extension_if_ready()
     if stream is None:
         if ext is not None:
             return _checked(ext.batch_copy(src_ptrs, dst_ptrs, sizes))
         return _host_copy_fallback(src_ptrs, dst_ptrs, sizes)
     handle = stream.cuda_stream if isinstance(stream, torch.cuda.Stream) else int(stream)
-    if ext is None or not ext.has_cuda():
+    if ext is not None and ext.has_cuda():
+        return _checked(ext.batch_copy_cuda(src_ptrs, dst_ptrs, sizes, handle, src_access_any))
+    if wait_for_build:
         raise RuntimeError(
             "batch_copy on a CUDA stream needs the extension built with CUDA "
             f"(build error: {_build.extension_error()})"
         )
-    return _checked(ext.batch_copy_cuda(src_ptrs, dst_ptrs, sizes, handle, src_access_any))
+    if not isinstance(stream, torch.cuda.Stream):
+        stream = torch.cuda.ExternalStream(handle)
+    return _stream_copy_fallback(src_ptrs, dst_ptrs, sizes, stream, host_side == "src")
 
 
 def _checked(result: tuple[int, int, str]) -> int:
@@ -152,14 +165,65 @@ def _host_copy_fallback(src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tenso
     import ctypes
 
     total = 0
-    for i, (s, d, z) in enumerate(zip(src.tolist(), dst.tolist(), sizes.tolist(), strict=True)):
+    for s, d, z in _checked_descriptors(src, dst, sizes):
+        if z:
+            ctypes.memmove(d, s, z)
+        total += z
+    return total
+
+
+def _checked_descriptors(
+    src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor
+) -> list[tuple[int, int, int]]:
+    """The descriptors as ``(src, dst, size)`` ints, each checked (size ≥ 0, no null address)."""
+    out = list(zip(src.tolist(), dst.tolist(), sizes.tolist(), strict=True))
+    for i, (s, d, z) in enumerate(out):
         if z < 0:
             raise ValueError(f"batch_copy: sizes[{i}] = {z} is negative")
         if z and (s == 0 or d == 0):
             raise ValueError(f"batch_copy: descriptor {i} has a null address (src {s}, dst {d})")
-        if z:
-            ctypes.memmove(d, s, z)
-        total += z
+    return out
+
+
+class _DeviceBytes:
+    """``size`` bytes of device memory at ``ptr``, for ``torch.as_tensor`` (CUDA array
+    interface v3; ``stream: None`` — the caller orders the work)."""
+
+    def __init__(self, ptr: int, size: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (size,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
+
+
+def _stream_copy_fallback(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    sizes: torch.Tensor,
+    stream: torch.cuda.Stream,
+    load: bool,
+) -> int:
+    """One torch ``copy_`` per descriptor on ``stream`` (host side: ``src`` when ``load``)."""
+    import ctypes
+
+    descriptors = _checked_descriptors(src, dst, sizes)
+    total = 0
+    with torch.cuda.stream(stream):
+        for s, d, z in descriptors:
+            if not z:
+                continue
+            host_ptr, dev_ptr = (s, d) if load else (d, s)
+            host = torch.frombuffer((ctypes.c_uint8 * z).from_address(host_ptr), dtype=torch.uint8)
+            dev = torch.as_tensor(_DeviceBytes(dev_ptr, z), device=stream.device)
+            if load:
+                dev.copy_(host, non_blocking=True)
+            else:
+                host.copy_(dev, non_blocking=True)
+            total += z
     return total
 
 
@@ -219,11 +283,16 @@ def _triton_ok(src: torch.Tensor, dst: torch.Tensor, page: int) -> str | None:
     return None
 
 
-def select_kernel(src: torch.Tensor, dst: torch.Tensor, n: int) -> str:
-    """The implementation ``kernel="auto"`` picks for ``n`` copies between these views."""
+def select_kernel(
+    src: torch.Tensor, dst: torch.Tensor, n: int, *, wait_for_build: bool = True
+) -> str:
+    """The implementation ``kernel="auto"`` picks for ``n`` copies between these views.
+
+    ``wait_for_build=False`` (the serving paths): an extension still building counts as absent
+    (``"torch"`` instead of ``"cpp"``) and its build is started in the background."""
     page = src.shape[1]
     rows_ok = src.stride(1) == 1 and dst.stride(1) == 1
-    ext = _build.load_extension()
+    ext = _build.load_extension() if wait_for_build else _build.extension_if_ready()
     cuda = src.is_cuda or dst.is_cuda
     native = "cpp" if rows_ok and ext is not None and (not cuda or ext.has_cuda()) else "torch"
     if rows_ok and src.is_cuda != dst.is_cuda and "cpu" in (src.device.type, dst.device.type):

@@ -17,6 +17,8 @@ _REGISTRY: dict[str, str | type[CachePolicy]] = {
     "lru": "kvcascade.policies.lru:LRUCachePolicy",
     "arc": "kvcascade.policies.arc:ARCCachePolicy",
     "turn_aware": "kvcascade.policies.turn_aware:TurnAwareCachePolicy",
+    "s3fifo": "kvcascade.policies.s3fifo:S3FIFOCachePolicy",
+    "adaptive": "kvcascade.policies.adaptive:AdaptiveCachePolicy",
 }
 
 

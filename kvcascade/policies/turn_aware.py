@@ -397,13 +397,30 @@ class TurnAwareCachePolicy(CachePolicy):
             heapq.heappop(heap)
         return None
 
-    def _heads(self, now_s: float, horizon: float) -> list[tuple[float, int, int, int]]:
+    def _valuer(self, now_s: float | None, horizon: float) -> Callable[[_Entry], float]:
+        """``entry -> value`` for one ``evict`` / ``admits`` call: blocks of one class read at
+        one tick (a request's blocks) share a value, so it is computed once per pair."""
+        memo: dict[tuple[int, int], float] = {}
+        compute = self._value
+
+        def value(entry: _Entry) -> float:
+            if entry.deadline is not None:
+                return compute(entry, now_s, horizon)
+            pair = (entry.cls, entry.tick)
+            found = memo.get(pair)
+            if found is None:
+                found = memo[pair] = compute(entry, now_s, horizon)
+            return found
+
+        return value
+
+    def _heads(self, value: Callable[[_Entry], float]) -> list[tuple[float, int, int, int]]:
         """Per non-empty class: (value of its head, head tick, -depth, class index)."""
         blocks = self._blocks
         heads = []
         for idx, stats in enumerate(self._classes):
             if stats.live and (item := self._head(stats)) is not None:
-                heads.append((self._value(blocks[item[3]], now_s, horizon), item[0], item[1], idx))
+                heads.append((value(blocks[item[3]]), item[0], item[1], idx))
         return heads
 
     # -- CachePolicy ---------------------------------------------------------------------------
@@ -486,9 +503,8 @@ class TurnAwareCachePolicy(CachePolicy):
         request = ctx.get_state(_Request)
         if request is None or len(self._blocks) + n <= self.cache_capacity:
             return True
-        now_s = self.clock()
         horizon = self.turnover()
-        heads = self._heads(now_s, horizon)
+        heads = self._heads(self._valuer(self.clock(), horizon))
         if not heads:
             return True
         low, _, _, idx = min(heads)
@@ -520,12 +536,11 @@ class TurnAwareCachePolicy(CachePolicy):
                 shielded += 1
         if self._evictable - shielded < n:
             return None
-        now_s = self.clock()
-        horizon = self.turnover()
+        value_of = self._valuer(self.clock(), self.turnover())
         classes = self._classes
         # (value, tick, -depth, class): cheapest first; equal values (an untrained policy)
         # go oldest first, i.e. LRU.
-        heads = self._heads(now_s, horizon)
+        heads = self._heads(value_of)
         heapq.heapify(heads)
         out: list[tuple[bytes, BlockStatus]] = []
         passed: list[tuple[int, tuple[int, int, int, bytes]]] = []  # protected heads
@@ -544,7 +559,7 @@ class TurnAwareCachePolicy(CachePolicy):
             if item is None:
                 continue
             key = item[3]
-            current = self._value(blocks[key], now_s, horizon)
+            current = value_of(blocks[key])
             if current > value and heads and current > heads[0][0]:
                 heapq.heappush(heads, (current, item[0], item[1], idx))  # stale: re-rank
                 continue
@@ -556,13 +571,13 @@ class TurnAwareCachePolicy(CachePolicy):
                 entry = self._forget(key)  # may offer its parent to a class heap
                 out.append((key, entry.block))
                 parent = None if entry.parent is None else blocks.get(entry.parent)
-                if parent is not None and parent.token >= 0:
-                    offered = parent
+                if parent is not None and parent.token >= 0 and parent.cls != idx:
+                    offered = parent  # a parent of this class is among its heads below
             if (nxt := self._head(stats)) is not None:
-                value = self._value(blocks[nxt[3]], now_s, horizon)
+                value = value_of(blocks[nxt[3]])
                 heapq.heappush(heads, (value, nxt[0], nxt[1], idx))
             if offered is not None:
-                value = self._value(offered, now_s, horizon)
+                value = value_of(offered)
                 heapq.heappush(heads, (value, offered.tick, -offered.depth, offered.cls))
         for idx, item in passed:
             heapq.heappush(classes[idx].heap, item)

@@ -55,7 +55,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
-from .._errors import TierUnavailableError, TransferError
+from .._errors import CorruptBlockError, TierUnavailableError, TransferError
 from .._types import (
     JobResult,
     LookupResult,
@@ -544,8 +544,10 @@ class SecondaryTier(ABC):
         elif isinstance(error, TransferError):
             kind = "load_failures" if job.is_promotion else "store_failures"
             self.counters[kind] += 1
-            # the first of each kind is a warning (a full disk fails every job: no flood)
-            level = logging.WARNING if self.counters[kind] == 1 else logging.DEBUG
+            # the first of each kind is a warning (a full disk fails every job: no flood); a
+            # corrupt block was already warned about by the tier that found it
+            first = self.counters[kind] == 1 and not isinstance(error.__cause__, CorruptBlockError)
+            level = logging.WARNING if first else logging.DEBUG
             log.log(
                 level,
                 "tier %s: job %d: %s (%s so far: %d)",

@@ -7,17 +7,23 @@ GPU blocks; a transfer pairs GPU blocks with CPU sub-blocks by the copy plan of 
 (:func:`kvcascade.ops.batch_copy`). The device tier never talks to a secondary tier.
 
 Two mailboxes, one per direction (stores GPU→CPU, loads CPU→GPU); transfers of one direction
-complete in submission order (spec §5.4).
+complete in submission order (spec §5.4). Every copy runs on that direction's worker thread,
+never on the event-loop thread (issue #15: a copy from pageable memory is synchronous in CUDA,
+and the first copies must not wait for the kernel build — they use the fallbacks of
+:func:`kvcascade.ops.batch_copy` until the extension has loaded in the background).
 
-* **CUDA**: each direction has its own side stream. A transfer is enqueued from the event-loop
-  thread (a non-blocking launch) after making the side stream wait on the compute stream (a store
-  must not read KV still being written; a load must not race pending writes into its blocks);
-  the same stream orders it after the previous transfer of that direction. An end event
-  (``blocking=True``: waiting sleeps, no spinning) is handed to the **event bridge**: one waiter
-  thread per device that synchronises events in submission order and resolves each transfer's
-  future with ``call_soon_threadsafe``. No thread per transfer, no polling of the loop.
-* **CPU** (no GPU): the copy itself is the work, so each direction runs on one worker thread
-  (FIFO); the awaitable is the same.
+* **CUDA**: the host buffer is pinned (:meth:`HostBuffer.pin`; if registration fails it stays
+  pageable and copies are synchronous on the worker thread). Each direction has its own side
+  stream. On the loop a ``ready`` event is recorded on the compute stream (a store must not read
+  KV still being written; a load must not race pending writes into its blocks); the worker
+  thread makes the side stream wait for it, enqueues the copy (the same stream orders it after
+  the previous transfer of that direction) and records an end event (``blocking=True``: waiting
+  sleeps, no spinning). The end event goes to that direction's **event bridge**: one waiter
+  thread per direction synchronises its events in submission order and resolves each transfer's
+  future with ``call_soon_threadsafe``, so a finished load never waits behind a slow store. No
+  thread per transfer, no polling of the loop.
+* **CPU** (no GPU): the copy itself is the work, done on the same worker thread (FIFO); the
+  awaitable is the same.
 
 A failed or cancelled transfer resolves with ``DeviceTransfer(success=False)``; nothing asserts.
 """
@@ -56,8 +62,12 @@ class DeviceTransfer:
     error: str | None = None
 
 
+DIRECTIONS = ("store", "load")
+
+
 class EventBridge:
-    """Turns CUDA events into asyncio futures: one daemon waiter thread per device.
+    """Turns CUDA events into asyncio futures: one daemon waiter thread (the device tier has one
+    per direction).
 
     :meth:`wait` queues ``(event, future)``; the thread calls ``event.synchronize()`` (events made
     with ``blocking=True`` sleep in the driver) in submission order and resolves the future on
@@ -148,17 +158,15 @@ class DeviceTier:
                 "gpu_blocks or block_bytes"
             ) from exc
         self._cuda = self.device.type == "cuda"
+        self._pools = {
+            d: concurrent.futures.ThreadPoolExecutor(1, f"kvcascade-{d}") for d in DIRECTIONS
+        }
+        self._bridges: dict[str, EventBridge] = {}
         if self._cuda:
             _build.extension_if_ready()  # start building the kernels now, off the hot path
-            self._streams = {d: torch.cuda.Stream(self.device) for d in ("store", "load")}
-            self._bridge: EventBridge | None = EventBridge()
-            self._pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
-        else:
-            self._bridge = None
-            self._pools = {
-                d: concurrent.futures.ThreadPoolExecutor(1, f"kvcascade-{d}")
-                for d in ("store", "load")
-            }
+            host.pin()
+            self._streams = {d: torch.cuda.Stream(self.device) for d in DIRECTIONS}
+            self._bridges = {d: EventBridge(f"kvcascade-{d}-events") for d in DIRECTIONS}
         self._closed = False
         self.bytes_stored = 0
         self.bytes_loaded = 0
@@ -210,11 +218,17 @@ class DeviceTier:
             descriptors = plan_descriptors(
                 plan, self.kv, self.host.tensor(), self.page_bytes, store=direction == "store"
             )
+            loop = asyncio.get_running_loop()
+            pool = self._pools[direction]
             if self._cuda:
-                nbytes = await self._cuda_copy(direction, descriptors)
+                ready = torch.cuda.Event()  # a marker on the compute stream; nothing waits here
+                ready.record(torch.cuda.current_stream(self.device))
+                nbytes, end = await loop.run_in_executor(
+                    pool, self._cuda_launch, direction, descriptors, ready
+                )
+                await self._bridges[direction].wait(end)
             else:
-                loop = asyncio.get_running_loop()
-                nbytes = await loop.run_in_executor(self._pools[direction], _copy, descriptors)
+                nbytes = await loop.run_in_executor(pool, _copy, descriptors)
         except (RuntimeError, ValueError) as exc:
             return DeviceTransfer(False, error=f"{type(exc).__name__}: {exc}")
         if direction == "store":
@@ -223,32 +237,42 @@ class DeviceTier:
             self.bytes_loaded += nbytes
         return DeviceTransfer(True, nbytes, time.perf_counter() - start)
 
-    async def _cuda_copy(
-        self, direction: str, descriptors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    ) -> int:
-        assert self._bridge is not None
+    def _cuda_launch(
+        self,
+        direction: str,
+        descriptors: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        ready: torch.cuda.Event,
+    ) -> tuple[int, torch.cuda.Event]:
+        """Worker thread: enqueue one transfer on ``direction``'s side stream after ``ready``;
+        returns (bytes, end event)."""
+        load = direction == "load"
         stream = self._streams[direction]
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        n = len(descriptors[0])
         host = self.host.tensor()
-        src, dst = (host, self.kv) if direction == "load" else (self.kv, host)
-        if select_kernel(src, dst, n) == "triton":
-            with torch.cuda.stream(stream):  # many small pages: spec §5.4's Triton kernel
-                nbytes = triton_batch_copy(*descriptors, self.page_bytes)
-        else:
-            nbytes = batch_copy(*descriptors, stream=stream, src_access_any=direction == "load")
-        event = torch.cuda.Event(blocking=True)
-        event.record(stream)
-        await self._bridge.wait(event)
-        return nbytes
+        src, dst = (host, self.kv) if load else (self.kv, host)
+        with torch.cuda.device(self.device):
+            stream.wait_event(ready)
+            if select_kernel(src, dst, len(descriptors[0]), wait_for_build=False) == "triton":
+                with torch.cuda.stream(stream):  # many small pages: spec §5.4's Triton kernel
+                    nbytes = triton_batch_copy(*descriptors, self.page_bytes, self.device)
+            else:
+                nbytes = batch_copy(
+                    *descriptors,
+                    stream=stream,
+                    src_access_any=load,
+                    wait_for_build=False,
+                    host_side="src" if load else "dst",
+                )
+            end = torch.cuda.Event(blocking=True)
+            end.record(stream)
+        return nbytes, end
 
     def close(self) -> None:
-        """Finish running copies, stop the worker threads and the event bridge; idempotent."""
+        """Finish running copies, stop the worker threads and the event bridges; idempotent."""
         self._closed = True
         for pool in self._pools.values():
             pool.shutdown(wait=True)
-        if self._bridge is not None:
-            self._bridge.close()
+        for bridge in self._bridges.values():
+            bridge.close()
 
 
 def _copy(descriptors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> int:

@@ -1,9 +1,10 @@
 """Secondary-tier types: name → factory registry (spec §3.11, §9.9).
 
 Built-in types resolve lazily (no import until used): ``fs``; ``memory`` (vLLM's ``example`` is an
-alias); ``s3`` (vLLM's ``obj`` is an alias). Out-of-tree tiers either register a factory with
-:func:`register_secondary_tier`, or are named in config by ``type`` plus ``module_path`` — the
-class called ``type`` is imported from that module, like vLLM's ``SecondaryTierFactory``.
+alias); ``s3`` (vLLM's ``obj`` is an alias); ``valkey`` (a Valkey / Redis server or cluster).
+Out-of-tree tiers either register a factory with :func:`register_secondary_tier`, or are named
+in config by ``type`` plus ``module_path`` — the class called ``type`` is imported from that
+module, like vLLM's ``SecondaryTierFactory``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ _REGISTRY: dict[str, str | TierFactory] = {
     "example": "kvcascade.tiers.memory:memory_tier_factory",
     "s3": "kvcascade.tiers.registry:_s3_factory",
     "obj": "kvcascade.tiers.registry:_s3_factory",
+    "valkey": "kvcascade.tiers.registry:_valkey_factory",
 }
 
 
@@ -62,6 +64,17 @@ def _s3_factory(ctx: TierContext, **kwargs: Any) -> SecondaryTier:
             f"the s3 tier needs aiobotocore ({exc.name} is missing): pip install 'kvcascade[s3]'"
         ) from exc
     return s3_tier_from_config(ctx.host, ctx.mapper(), kwargs)
+
+
+def _valkey_factory(ctx: TierContext, **kwargs: Any) -> SecondaryTier:
+    try:
+        from .valkey import valkey_tier_from_config
+    except ModuleNotFoundError as exc:
+        raise ConfigError(
+            f"the valkey tier needs redis-py ({exc.name} is missing): "
+            "pip install 'kvcascade[valkey]'"
+        ) from exc
+    return valkey_tier_from_config(ctx.host, ctx.mapper(), kwargs)
 
 
 def register_secondary_tier(type_name: str, factory: str | TierFactory) -> None:

@@ -27,9 +27,10 @@ Life cycle (see ``docs/cpu-tier.md``):
    the sidecar once mapped; the last one unlinks the file and the sidecar, so nothing can leak
    even on ``kill -9`` (the memory goes with the last mapping).
 5. **Pinning** — on CUDA, workers register their mapping as pinned host memory in chunks of
-   whole rows (at most :data:`PIN_CHUNK_BYTES` each), checking every return code; any failure
-   unregisters what was registered and logs one warning (transfers still work, unpinned).
-   Without CUDA this is skipped, logged once per process.
+   whole rows (:func:`kvcascade.tiers.cpu.register_host_memory`, as the asyncio API's host
+   buffer), checking every return code; any failure unregisters what was registered and logs
+   one warning (transfers still work, unpinned). Without CUDA this is skipped, logged once
+   per process.
 6. :meth:`SharedOffloadRegion.cleanup` (idempotent) unpins, drops views, unmaps, releases the
    lock and closes the file; the creator unlinks the file and sidecar if they are still its own.
 """
@@ -51,15 +52,13 @@ import numpy as np
 import torch
 
 from .._errors import ConfigError, KVCascadeError
-from .cpu import PAGE_SIZE, round_up
+from .cpu import PAGE_SIZE, register_host_memory, round_up, unregister_host_memory
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DIRECTORY = "/dev/shm"
 #: ``madvise`` advice that populates (prefaults) pages writable; Linux ≥ 5.14.
 MADV_POPULATE_WRITE = 23
-#: Largest single ``cudaHostRegister`` call (rounded down to whole rows, at least one row).
-PIN_CHUNK_BYTES = 1 << 30
 _POLL_S = 0.005
 # A region file without a matching owner record younger than this may be in creation.
 _CREATION_GRACE_S = 60.0
@@ -256,10 +255,6 @@ def _log_cuda_skip_once() -> None:
     if not _cuda_skip_logged:
         _cuda_skip_logged = True
         logger.info("CUDA not available: the shared offload region is not pinned")
-
-
-def _cuda_ok(err: object) -> bool:
-    return int(getattr(err, "value", err)) == 0  # type: ignore[call-overload]
 
 
 class SharedOffloadRegion:
@@ -505,25 +500,9 @@ class SharedOffloadRegion:
         if not torch.cuda.is_available():
             _log_cuda_skip_once()
             return
-        cudart = torch.cuda.cudart()
-        base = self._tensor.data_ptr()
-        chunk = max(1, PIN_CHUNK_BYTES // self.row_stride) * self.row_stride
-        registered: list[int] = []
-        for offset in range(0, self.nbytes, chunk):
-            err = cudart.cudaHostRegister(base + offset, min(chunk, self.nbytes - offset), 0)
-            if not _cuda_ok(err):
-                failures = [p for p in registered if not _cuda_ok(cudart.cudaHostUnregister(p))]
-                logger.warning(
-                    "cudaHostRegister of %s failed at offset %d (error %s); the region stays "
-                    "unpinned%s",
-                    self.path,
-                    offset,
-                    err,
-                    f" and {len(failures)} chunk(s) could not be unregistered" if failures else "",
-                )
-                return
-            registered.append(base + offset)
-        self._pinned = registered
+        self._pinned = register_host_memory(
+            self._tensor.data_ptr(), self.nbytes, self.row_stride, str(self.path)
+        )
 
     # -- views -----------------------------------------------------------------------------
     @property
@@ -606,13 +585,8 @@ class SharedOffloadRegion:
         if self._closed:
             return
         self._closed = True
-        if self._pinned:
-            cudart = torch.cuda.cudart()
-            for ptr in self._pinned:
-                err = cudart.cudaHostUnregister(ptr)
-                if not _cuda_ok(err):
-                    logger.warning("cudaHostUnregister of %s failed (error %s)", self.path, err)
-            self._pinned = []
+        unregister_host_memory(self._pinned, str(self.path))
+        self._pinned = []
         if self._mmap is not None:
             self._tensor = torch.empty((0, self.row_stride), dtype=torch.int8)
             self._view.release()

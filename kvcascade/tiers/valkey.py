@@ -1,0 +1,563 @@
+"""The Valkey / Redis tier (``type: "valkey"``): one string value per block on a shared server.
+
+A DRAM pool on a Redis-protocol server (Valkey, Redis OSS, their managed variants), single
+server or cluster, shared by every engine pointed at it (docs/valkey-tier.md).
+
+Key of a block: ``<prefix>/`` + the fs tier's relative path
+(:meth:`~kvcascade.tiers._file_mapper.FileMapper.relative_path`), exactly the s3 tier's object
+key, so the namespace identity (model, dtype, geometry, ``cache_salt``) separates instances the
+same way. Value: the fs block file format v2 (:mod:`kvcascade.tiers.fs`): the 4096-byte header
+(magic, version, payload length, xxh3 of the payload and of the key), the payload, zeros up to a
+multiple of 4096 bytes — the bytes of an fs block file or an s3 object. Header and payload are
+one value under one key, so a cluster (keys spread over its 16384 slots by the key's CRC16)
+never holds one without the other, and a reader sees the whole value or none (``SET`` is
+atomic).
+
+Transport: the asyncio client of ``redis`` (redis-py; docs/valkey-tier.md says why this one and
+not ``valkey``), created in the actor's start-up and closed at its end: a
+``BlockingConnectionPool`` of ``max_concurrency`` connections for one server, a
+``RedisCluster`` with ``max_concurrency`` connections per node for a cluster. An
+:class:`asyncio.Semaphore` of ``max_concurrency`` bounds the commands in flight. Every command
+has a deadline: ``connect_timeout_s`` to connect, ``timeout_s`` per socket read or write,
+retried by the client (``max_attempts`` in all, exponential backoff) on connection errors and
+timeouts; the job as a whole is bounded by ``io_timeout_s`` (:class:`SecondaryTier`).
+
+* **Store** (per block, concurrently): the value is assembled in one buffer (the client sends a
+  value as one argument: one copy of the payload, plus the xxh3 pass; buffers are reused, at
+  most ``max_concurrency`` of them) and written with ``SET``.
+  A key another engine already wrote is rewritten with the same bytes (a cascade only carries
+  blocks the primary tier did not have, so rewrites are rare, and a rewrite refreshes the
+  server's LRU clock).
+* **Load** (per block, concurrently): ``GET``; length, header, key digest and checksum are
+  verified on the received value (:func:`~kvcascade.tiers.fs.check_block`) before one copy into
+  the primary row, so a corrupt value never reaches a row. A missing value (evicted by the
+  server, never stored, deleted) fails its block as a miss (``counters["missing_blocks"]``); a
+  corrupt or foreign one is deleted and counted (``counters["corrupt_blocks"]``).
+* **Lookup**: vLLM's async lookup (spec §3.12) over one pipeline of ``EXISTS`` per probe batch
+  (split per node by the cluster client). kvcascade keeps no index of the server's keys: the
+  server owns capacity (``maxmemory`` and its eviction policy), so only it knows what is there.
+* **Degradation**: no answer (refused, reset, timed out, loading, ``CLUSTERDOWN``; classified in
+  one place, :data:`_MEANINGS`) marks the server down for :data:`DOWN_RETRY_S` seconds: probes
+  answer ``MISS``, stores are dropped (``counters["store_dropped_blocks"]``) and loads fail, all
+  without a command; the first command after the window tries again and any answer marks it up.
+  ``OOM command not allowed`` (``maxmemory`` reached under ``noeviction``) marks the server full
+  for the same window: stores are dropped, loads and probes go on. Each state change is logged
+  once. No restart is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+import urllib.parse
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+import redis.exceptions as rexc
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+
+from .._errors import (
+    ConfigError,
+    CorruptBlockError,
+    KVCascadeError,
+    TierUnavailableError,
+    TransferError,
+)
+from ._file_mapper import FileMapper
+from .base import SecondaryTier
+from .cpu import HostBuffer
+from .fs import HEADER_BYTES, check_block, encode_header, file_size
+
+log = logging.getLogger(__name__)
+
+DOWN_RETRY_S = 1.0
+"""Seconds an unreachable (or full) server is left alone before the next try."""
+_SCHEMES = {"redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss"}
+"""URL schemes accepted → the scheme the client reads (``unix://`` for one local server)."""
+
+
+class _Meaning(enum.Enum):
+    """What a client exception says about the server (:data:`_MEANINGS`)."""
+
+    DOWN = "the server could not be reached or cannot serve"
+    FULL = "the server refused a write: maxmemory reached"
+    FAILED = "this command failed; the server answered"
+
+
+_MEANINGS: tuple[tuple[type[BaseException], _Meaning], ...] = (
+    # Answered, but no: wrong password or ACL (a configuration error, not an outage).
+    (rexc.AuthenticationError, _Meaning.FAILED),
+    (rexc.NoPermissionError, _Meaning.FAILED),
+    # A client-side bound (never reached: the semaphore bounds commands in flight).
+    (rexc.MaxConnectionsError, _Meaning.FAILED),
+    # maxmemory reached under noeviction: "OOM command not allowed when used memory > ...".
+    (rexc.OutOfMemoryError, _Meaning.FULL),
+    # Refused, reset, closed, server loading its data after a restart (BusyLoadingError is a
+    # ConnectionError), socket timeouts after the client's retries.
+    (rexc.ConnectionError, _Meaning.DOWN),
+    (rexc.TimeoutError, _Meaning.DOWN),
+    # A cluster without a master for the slot (failover under way, too few nodes).
+    (rexc.ClusterDownError, _Meaning.DOWN),
+    (rexc.MasterDownError, _Meaning.DOWN),
+    (rexc.SlotNotCoveredError, _Meaning.DOWN),
+    (OSError, _Meaning.DOWN),
+    (TimeoutError, _Meaning.DOWN),
+    # Anything else the server answered (READONLY replica, TRYAGAIN, a wrong type, ...).
+    (rexc.RedisError, _Meaning.FAILED),
+)
+"""Client exception type → what it means to the tier, first match wins; read only by
+:meth:`ValkeyTier._backend` (same model as the s3 tier's ``_MEANINGS``)."""
+
+
+class _Missing(TransferError):
+    """The server holds no value under the block's key (evicted, never stored, deleted)."""
+
+
+def _display_url(url: str) -> str:
+    """``url`` without user-info or query (never a credential) for messages."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def _client_url(url: str) -> str:
+    """``url`` in the scheme the client reads.
+
+    Raises:
+        ConfigError: an unknown scheme, no host, or a password in the URL (give it as
+            ``password``: the URL is copied into replay reports and logs).
+    """
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"valkey tier url must be a non-empty string, got {url!r}")
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is not None or "password" in urllib.parse.parse_qs(parts.query):
+        raise ConfigError(
+            f"valkey tier url {_display_url(url)!r} holds a password: give it as 'password'"
+        )
+    if parts.scheme == "unix":
+        return url
+    scheme = _SCHEMES.get(parts.scheme)
+    if scheme is None or not parts.hostname:
+        raise ConfigError(
+            f"valkey tier url must be redis://, rediss://, valkey://, valkeys:// HOST[:PORT] "
+            f"or unix://PATH, got {_display_url(url)!r}"
+        )
+    return urllib.parse.urlunsplit((scheme, *parts[1:]))
+
+
+class ValkeyTier(SecondaryTier):
+    """Secondary tier storing one value per block on a Valkey / Redis server (module docstring).
+
+    Args:
+        host: the primary tier's buffer.
+        mapper: the namespace (:class:`FileMapper`, shared with the fs and s3 tiers).
+        url: ``redis://host:port[/db]`` (also ``valkey://``; ``rediss://``/``valkeys://`` for
+            TLS; ``unix:///path`` for one local server); for a cluster, any one node.
+        cluster: the server is a cluster (Redis Cluster / Valkey cluster protocol).
+        prefix: key prefix (slashes at either end are ignored); ``""`` = none.
+        username, password: ACL user and password; None = none.
+        max_concurrency: commands in flight and connections (per node in a cluster), ``>= 1``;
+            also the number of jobs running at once.
+        connect_timeout_s: deadline of one connect, seconds.
+        timeout_s: deadline of one socket read or write, seconds.
+        max_attempts: attempts per command on connection errors and timeouts, ``>= 1``.
+        name: tier name in metrics and events (default ``"valkey"``).
+        io_timeout_s: per-job deadline in seconds from submission.
+        max_queued_jobs: jobs allowed to wait; stores beyond it are refused.
+
+    Raises:
+        ConfigError: a value out of range or a bad ``url`` (named, never a password).
+    """
+
+    def __init__(
+        self,
+        host: HostBuffer,
+        mapper: FileMapper,
+        url: str,
+        *,
+        cluster: bool = False,
+        prefix: str = "",
+        username: str | None = None,
+        password: str | None = None,
+        max_concurrency: int = 16,
+        connect_timeout_s: float = 2.0,
+        timeout_s: float = 5.0,
+        max_attempts: int = 3,
+        name: str = "valkey",
+        io_timeout_s: float = 30.0,
+        max_queued_jobs: int = 1024,
+    ) -> None:
+        super().__init__(
+            name,
+            host,
+            io_threads=max_concurrency,
+            io_timeout_s=io_timeout_s,
+            max_queued_jobs=max_queued_jobs,
+        )
+        client_url = _client_url(url)
+        if cluster and client_url.startswith("unix:"):
+            raise ConfigError("a valkey cluster is reached over TCP, not unix://")
+        if max_attempts < 1:
+            raise ConfigError(f"valkey tier max_attempts must be >= 1, got {max_attempts}")
+        if not connect_timeout_s > 0 or not timeout_s > 0:
+            raise ConfigError(
+                "valkey tier connect_timeout_s and timeout_s must be > 0, got "
+                f"{connect_timeout_s!r}, {timeout_s!r}"
+            )
+        self.mapper = mapper
+        self.url = _display_url(url)
+        self.cluster = cluster
+        self.prefix = prefix.strip("/")
+        self.value_bytes = file_size(host.block_bytes)
+        self._client_url = client_url
+        self._options: dict[str, Any] = {
+            "username": username,
+            "password": password,
+            "socket_connect_timeout": connect_timeout_s,
+            "socket_timeout": timeout_s,
+            "retry": Retry(ExponentialBackoff(cap=0.5, base=0.02), max_attempts - 1),
+        }
+        self.max_concurrency = max_concurrency
+        self._sem = asyncio.Semaphore(max_concurrency)
+        self._values: list[memoryview] = []  # value buffers free for reuse (<= max_concurrency)
+        self._client: Any = None
+        self._down_until = 0.0
+        self._full_until = 0.0
+
+    def __repr__(self) -> str:
+        return f"ValkeyTier(name={self.name!r}, url={self.url!r}, cluster={self.cluster})"
+
+    def object_key(self, key: bytes) -> str:
+        """The server key of ``key``: ``<prefix>/<relative path>`` (no ``//``, no leading ``/``)."""
+        path = self.mapper.relative_path(key)
+        return f"{self.prefix}/{path}" if self.prefix else path
+
+    # -- life cycle ----------------------------------------------------------------------
+    def _make_client(self) -> Any:
+        if self.cluster:
+            return RedisCluster.from_url(
+                self._client_url,
+                max_connections=self.max_concurrency,
+                **self._options,
+            )
+        pool = aioredis.BlockingConnectionPool.from_url(
+            self._client_url,
+            max_connections=self.max_concurrency,
+            timeout=self.io_timeout_s,
+            **self._options,
+        )
+        return aioredis.Redis.from_pool(pool)
+
+    async def _startup(self) -> None:
+        """Create the client and check the server answers (``PING``); warn when its eviction
+        policy cannot evict (``maxmemory`` with ``noeviction``: a full server refuses stores);
+        a server that does not answer ``CONFIG GET`` (managed services) is not checked.
+
+        Raises:
+            TierUnavailableError: the server cannot be reached or refused the credentials; the
+                message names the URL (without credentials) and the error's type.
+        """
+        self._client = self._make_client()
+        try:
+            with self._backend("PING"):
+                await self._client.ping()
+        except (TierUnavailableError, TransferError) as exc:
+            raise TierUnavailableError(
+                f"valkey tier {self.name!r}: server {self.url} is not reachable ({exc})"
+            ) from exc
+        with contextlib.suppress(KVCascadeError), self._backend("CONFIG GET"):
+            config = await self._client.config_get("maxmemory*")
+            if config.get("maxmemory", "0") == "0":
+                log.info(
+                    "valkey tier %s: %s has no maxmemory: it grows until the host runs out of "
+                    "memory (docs/valkey-tier.md, Capacity)",
+                    self.name,
+                    self.url,
+                )
+            elif config.get("maxmemory-policy") == "noeviction":
+                log.warning(
+                    "valkey tier %s: %s has maxmemory-policy noeviction: once full it refuses "
+                    "stores; set allkeys-lru to let it evict (docs/valkey-tier.md)",
+                    self.name,
+                    self.url,
+                )
+
+    async def _cleanup(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                await self._client.aclose()
+            self._client = None
+
+    # -- availability --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _backend(self, op: str) -> Iterator[None]:
+        """The one boundary between the client's exceptions and kvcascade's: every command runs
+        inside it, and an exception of :data:`_MEANINGS` leaves it translated.
+
+        * ``DOWN``: the server is marked down for :data:`DOWN_RETRY_S` and
+          :class:`TierUnavailableError` is raised;
+        * ``FULL``: the server is marked full for :data:`DOWN_RETRY_S` (stores dropped) and
+          :class:`TransferError` is raised;
+        * ``FAILED``: :class:`TransferError`.
+
+        Any answer marks the server up. Messages name ``op`` and the exception's type, never
+        its text (it may quote a command's arguments). Other exceptions (a bug) pass unchanged.
+        """
+        try:
+            yield
+        except Exception as exc:
+            meaning = next((m for kind, m in _MEANINGS if isinstance(exc, kind)), None)
+            if meaning is None:
+                raise
+            code = type(exc).__name__
+            if meaning is _Meaning.DOWN:
+                self._mark_down()
+                raise TierUnavailableError(f"valkey {op}: {self.url} unreachable ({code})") from exc
+            self._mark_up()
+            if meaning is _Meaning.FULL:
+                self._mark_full()
+                raise TransferError(f"valkey {op}: {self.url} is full ({code})") from exc
+            raise TransferError(f"valkey {op} failed ({code})") from exc
+        self._mark_up()
+
+    def _available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _mark_down(self) -> None:
+        if not self._down_until:
+            log.warning(
+                "valkey tier %s: server %s unreachable; lookups miss and stores are dropped "
+                "until it answers",
+                self.name,
+                self.url,
+            )
+        self._down_until = time.monotonic() + DOWN_RETRY_S
+
+    def _mark_up(self) -> None:
+        if self._down_until:
+            log.info("valkey tier %s: server %s answers again", self.name, self.url)
+            self._down_until = 0.0
+
+    def _mark_full(self) -> None:
+        if not self._full_until:
+            log.warning(
+                "valkey tier %s: server %s is out of memory (maxmemory, noeviction); stores are "
+                "dropped for now",
+                self.name,
+                self.url,
+            )
+        self._full_until = time.monotonic() + DOWN_RETRY_S
+
+    async def _command(self, op: str, fn: Callable[[], Awaitable[Any]]) -> Any:
+        """One command under the semaphore: :meth:`_call`."""
+        async with self._sem:
+            return await self._call(op, fn)
+
+    async def _call(self, op: str, fn: Callable[[], Awaitable[Any]]) -> Any:
+        """One command (the caller holds the semaphore) through :meth:`_backend`, refused
+        without a command while the server is marked down.
+
+        Raises:
+            TierUnavailableError: the server is marked down, or was found unreachable now.
+            TransferError: the server answered with an error.
+        """
+        if not self._available():
+            raise TierUnavailableError(f"valkey server {self.url} is down")
+        with self._backend(op):
+            return await fn()
+
+    # -- movers (coroutines on the event loop) -------------------------------------------
+    async def _store_blocks(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
+        now = time.monotonic()
+        if now < self._down_until or now < self._full_until:
+            self.counters["store_dropped_blocks"] += len(keys)
+            state = "down" if now < self._down_until else "full"
+            raise TransferError(f"valkey server {self.url} is {state}; store dropped")
+        if self._full_until:
+            log.info("valkey tier %s: trying stores on %s again", self.name, self.url)
+            self._full_until = 0.0
+        return await self._each(self._store_one, "store", keys, rows)
+
+    async def _load_blocks(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
+        if not self._available():
+            raise TransferError(f"valkey server {self.url} is down")
+        return await self._each(self._load_one, "load", keys, rows)
+
+    async def _each(
+        self,
+        mover: Callable[[bytes, memoryview], Awaitable[int]],
+        kind: str,
+        keys: Sequence[bytes],
+        rows: Sequence[memoryview],
+    ) -> int:
+        """Run ``mover`` on every block concurrently; bytes moved.
+
+        Raises:
+            TransferError: some block failed; carries the keys that succeeded (job order).
+        """
+        results = await asyncio.gather(
+            *(mover(k, r) for k, r in zip(keys, rows, strict=True)), return_exceptions=True
+        )
+        failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+        if not failed:
+            return sum(r for r in results if isinstance(r, int))
+        i, first = failed[0]
+        if not isinstance(first, KVCascadeError):
+            raise first
+        bad = {j for j, _ in failed}
+        succeeded = [k for j, k in enumerate(keys) if j not in bad]
+        raise TransferError(f"valkey {kind} of block {i} failed: {first}", succeeded) from first
+
+    async def _store_one(self, key: bytes, row: memoryview) -> int:
+        name = self.object_key(key)
+        async with self._sem:
+            # A value buffer of a finished store is reused: its header beyond the 32 bytes
+            # encode_header writes and its padding are still zero; a fresh one costs page faults.
+            value = self._values.pop() if self._values else memoryview(bytearray(self.value_bytes))
+            payload = value[HEADER_BYTES : HEADER_BYTES + row.nbytes]
+            payload[:] = row
+            encode_header(key, payload, value[:HEADER_BYTES])
+            await self._call("SET", lambda: self._client.set(name, value))
+        self._values.append(value)  # not after a failure: a cancelled send may still hold it
+        return row.nbytes
+
+    async def _load_one(self, key: bytes, row: memoryview) -> int:
+        name = self.object_key(key)
+        value = await self._command("GET", lambda: self._client.get(name))
+        if value is None:
+            self.counters["missing_blocks"] += 1
+            raise _Missing(f"valkey GET: no value under {name}")
+        try:
+            if len(value) != self.value_bytes:
+                raise CorruptBlockError(
+                    f"{name}: value is {len(value)} bytes, expected {self.value_bytes}"
+                )
+            view = memoryview(value)
+            payload = view[HEADER_BYTES : HEADER_BYTES + row.nbytes]
+            check_block(key, view[:HEADER_BYTES], payload, name)
+        except CorruptBlockError as exc:
+            self.counters["corrupt_blocks"] += 1
+            log.warning(
+                "valkey tier %s: %s; value deleted, block treated as a miss", self.name, exc
+            )
+            with contextlib.suppress(TierUnavailableError, TransferError):
+                await self._command("DEL", lambda: self._client.delete(name))
+            raise
+        row[:] = payload
+        return row.nbytes
+
+    async def _probe(self, keys: Sequence[bytes]) -> list[bool]:
+        if not self._available():
+            return [False] * len(keys)
+
+        async def exists() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self.object_key(key))
+            return list(await pipe.execute(raise_on_error=False))
+
+        try:
+            answers = await self._command("EXISTS", exists)
+        except (TierUnavailableError, TransferError) as exc:
+            self.counters["probe_errors"] += len(keys)
+            log.warning(
+                "valkey tier %s: %d existence probes failed (%s); answering MISS",
+                self.name,
+                len(keys),
+                exc,
+            )
+            return [False] * len(keys)
+        errors = [a for a in answers if isinstance(a, BaseException)]
+        if errors:
+            self.counters["probe_errors"] += len(errors)
+            log.warning(
+                "valkey tier %s: %d of %d existence probes failed (%s); answering MISS",
+                self.name,
+                len(errors),
+                len(keys),
+                type(errors[0]).__name__,
+            )
+        return [a == 1 for a in answers]
+
+
+_CONFIG_KEYS = {
+    "url",
+    "cluster",
+    "prefix",
+    "username",
+    "password",
+    "max_concurrency",
+    "connect_timeout_s",
+    "timeout_s",
+    "max_attempts",
+    "cache_salt",
+    "name",
+    "io_timeout_s",
+    "max_queued_jobs",
+}
+
+
+def valkey_tier_from_config(
+    host: HostBuffer, mapper: FileMapper, cfg: dict[str, Any]
+) -> ValkeyTier:
+    """Build a valkey tier from a ``secondary_tiers`` entry (``type`` already removed).
+
+    Keys: ``url`` (required), ``cluster`` (false), ``prefix`` (none), ``username`` /
+    ``password`` (none), ``max_concurrency`` (16), ``connect_timeout_s`` (2), ``timeout_s`` (5),
+    ``max_attempts`` (3), ``cache_salt`` (tenant salt folded into the namespace), ``name``
+    (``"valkey"``), ``io_timeout_s`` (30 s per job), ``max_queued_jobs`` (1024).
+
+    Raises:
+        ConfigError: missing ``url``, an unknown key (named, never its value), a value of the
+            wrong type or range.
+    """
+    unknown = sorted(set(cfg) - _CONFIG_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown valkey tier keys {unknown}; known: {sorted(_CONFIG_KEYS)}")
+    for key in ("url", "prefix", "username", "password", "cache_salt", "name"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], str):
+            shown = "a secret" if key == "password" else repr(cfg[key])
+            raise ConfigError(f"valkey tier {key} must be a string, got {shown}")
+    if not cfg.get("url"):
+        raise ConfigError("valkey tier needs 'url' (e.g. redis://127.0.0.1:6379)")
+    if not isinstance(cfg.get("cluster", False), bool):
+        raise ConfigError(f"valkey tier cluster must be true or false, got {cfg['cluster']!r}")
+
+    def integer(key: str, default: int) -> int:
+        value = cfg.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"valkey tier {key} must be an int >= 1, got {value!r}")
+        return value
+
+    def seconds(key: str, default: float) -> float:
+        value = cfg.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"valkey tier {key} must be a number > 0 (seconds), got {value!r}")
+        return float(value)
+
+    if cfg.get("cache_salt"):
+        mapper = mapper.with_salt(cfg["cache_salt"])
+    return ValkeyTier(
+        host,
+        mapper,
+        cfg["url"],
+        cluster=cfg.get("cluster", False),
+        prefix=cfg.get("prefix") or "",
+        username=cfg.get("username"),
+        password=cfg.get("password"),
+        max_concurrency=integer("max_concurrency", 16),
+        connect_timeout_s=seconds("connect_timeout_s", 2.0),
+        timeout_s=seconds("timeout_s", 5.0),
+        max_attempts=integer("max_attempts", 3),
+        name=cfg.get("name") or "valkey",
+        io_timeout_s=seconds("io_timeout_s", 30.0),
+        max_queued_jobs=integer("max_queued_jobs", 1024),
+    )

@@ -1,0 +1,503 @@
+"""The valkey tier (issue #20) against real Redis-protocol servers on loopback
+(``redis-server`` / ``valkey-server`` child processes, :mod:`valkey_fixtures`): round trip,
+the key layout and value format shared with the fs and s3 tiers, corruption, eviction by the
+server, a full server, restart, a 3-master cluster with a failover, back-pressure from a
+throttled server, and ``kvcascade replay --valkey``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import valkey_fixtures
+from tier_helpers import BLOCK, job, key, load, lookups, pattern, running, store
+from valkey_fixtures import Cluster, Server, ThrottleProxy, free_port, needs_server
+
+import kvcascade as kc
+from kvcascade import LookupResult as R
+from kvcascade._cli import main
+from kvcascade.backpressure import CascadeAdmission
+from kvcascade.coordinator import TieringCoordinator
+from kvcascade.index.cpu import CPUOffloadingManager
+from kvcascade.metrics import TieringMetrics
+from kvcascade.tiers import valkey as valkey_module
+from kvcascade.tiers._file_mapper import FileMapper, default_identity
+from kvcascade.tiers.fs import HEADER_BYTES, FileSystemTier, file_size
+from kvcascade.tiers.registry import TierContext, create_secondary_tier
+from kvcascade.tiers.valkey import ValkeyTier, valkey_tier_from_config
+
+pytestmark = needs_server
+server = valkey_fixtures.server  # the module's redis-server process
+cluster = valkey_fixtures.cluster  # the module's 3-master cluster (+1 replica)
+_prefixes = iter(range(1 << 30))
+
+PASSWORD = "kvcascade-valkey-secret"  # a test asserts it never shows up
+
+
+def make_tier(url: str, host: kc.HostBuffer, **kw: Any) -> ValkeyTier:
+    """A tier on ``url`` with a fresh key prefix (tests share one server)."""
+    kw.setdefault("prefix", f"t{next(_prefixes)}")
+    return valkey_tier_from_config(host, FileMapper(default_identity()), {"url": url, **kw})
+
+
+def sync_client(url: str, cluster: bool = False) -> Any:
+    """A synchronous client for set-up and assertions."""
+    if cluster:
+        return redis.RedisCluster.from_url(url)
+    return redis.Redis.from_url(url)
+
+
+@pytest.fixture
+def host() -> Iterator[kc.HostBuffer]:
+    buf = kc.HostBuffer(16, BLOCK)
+    yield buf
+    buf.close()
+
+
+# -- configuration ----------------------------------------------------------------------
+def test_config_errors_name_the_bad_value_and_never_the_password(
+    host: kc.HostBuffer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Unknown keys, a missing or bad url, a password inside the url, bad types and ranges are
+    ConfigErrors naming the value; the password never shows in repr or messages."""
+    ctx = TierContext(host, default_identity())
+    tier = create_secondary_tier(
+        {"type": "valkey", "url": "valkey://h:1/0", "password": PASSWORD}, ctx
+    )
+    assert isinstance(tier, ValkeyTier) and tier.name == "valkey"
+    assert tier.object_key(key(1)) == FileMapper(default_identity()).relative_path(key(1))
+    assert PASSWORD not in repr(tier)
+    mapper = FileMapper(default_identity())
+    for cfg, message in [
+        ({"url": "redis://h:1", "pasword": "x"}, r"unknown valkey tier keys \['pasword'\]"),
+        ({}, "needs 'url'"),
+        ({"url": "http://h:1"}, "must be redis://.*got 'http://h:1'"),
+        ({"url": "redis://"}, "must be redis://.*got 'redis:'"),
+        ({"url": f"redis://u:{PASSWORD}@h:1"}, "'redis://h:1' holds a password"),
+        ({"url": f"redis://h:1/0?password={PASSWORD}"}, "'redis://h:1/0' holds a password"),
+        ({"url": "redis://h:1", "password": 5}, "password must be a string, got a secret"),
+        ({"url": "redis://h:1", "cluster": "yes"}, "cluster must be true or false, got 'yes'"),
+        ({"url": "unix:///tmp/s", "cluster": True}, "over TCP"),
+        ({"url": "redis://h:1", "max_concurrency": 0}, "max_concurrency must be .*got 0"),
+        ({"url": "redis://h:1", "timeout_s": -1}, "timeout_s must be .*got -1"),
+        ({"url": "redis://h:1", "max_attempts": True}, "max_attempts must be .*got True"),
+    ]:
+        with pytest.raises(kc.ConfigError, match=message) as info:
+            valkey_tier_from_config(host, mapper, cfg)
+        assert PASSWORD not in str(info.value)
+    assert PASSWORD not in caplog.text
+
+
+async def test_startup_fails_naming_the_server_when_unreachable(host: kc.HostBuffer) -> None:
+    """Nothing listening: the actor's start-up raises TierUnavailableError naming the URL."""
+    url = f"redis://127.0.0.1:{free_port()}"
+    tier = make_tier(url, host, max_attempts=1, connect_timeout_s=0.5)
+    with pytest.raises(kc.TierUnavailableError, match=f"{url}.*ConnectionError"):
+        await asyncio.wait_for(tier.run(), 10)
+    assert tier._client is None
+
+
+# -- single server ------------------------------------------------------------------------
+async def test_roundtrip_layout_and_value_are_the_fs_block_file(
+    server: Server, host: kc.HostBuffer, tmp_path: Path
+) -> None:
+    """MISS, store, HIT (a second tier asks the server), byte-exact load; the key is the s3
+    object key (``prefix/`` + the fs relative path) and the value is the fs block file byte for
+    byte, in both directions (fs serves a value copied out, valkey serves a file copied in)."""
+    mapper = FileMapper(default_identity())
+    tier = make_tier(server.url, host, prefix="/team/kv/")
+    other = make_tier(server.url, host, prefix="team/kv")
+    fs = FileSystemTier(host, tmp_path, mapper)
+    client = sync_client(server.url)
+    async with running(tier, other, fs):
+        assert await lookups(tier, [key(0)], kc.ReqContext("a")) == [R.MISS]
+        assert (await store(tier, host, [1, 2], [0, 1])).success
+        assert await lookups(other, [key(1), key(2), key(3)], kc.ReqContext("b")) == [
+            R.HIT,
+            R.HIT,
+            R.MISS,
+        ]
+        result = await load(other, [1], [5])
+        assert result.success and result.transfer_size == BLOCK
+        assert bytes(host.row(5)) == pattern(1)
+        name = f"team/kv/{mapper.relative_path(key(1))}"
+        assert tier.object_key(key(1)) == name
+        blob = client.get(name)
+        assert len(blob) == file_size(BLOCK) and blob[HEADER_BYTES:][:BLOCK] == pattern(1)
+        path = Path(fs.path_of(key(1)))
+        path.parent.mkdir(parents=True)
+        path.write_bytes(blob)
+        assert (await fs.submit_load(job([key(1)], [9], True))).success
+        assert bytes(host.row(9)) == pattern(1)
+        host.row(2)[:] = pattern(8)
+        assert (await fs.submit_store(job([key(8)], [2], False))).success
+        client.set(tier.object_key(key(8)), Path(fs.path_of(key(8))).read_bytes())
+        assert (await load(tier, [8], [10])).success
+        assert bytes(host.row(10)) == pattern(8)
+        assert list(tier.take_events()) == [
+            kc.OffloadingEvent([key(1), key(2)], kc.Medium.STORAGE, False, "valkey")
+        ]
+    client.close()
+
+
+async def test_missing_block_is_a_clean_miss_and_the_batch_reports_what_loaded(
+    server: Server, host: kc.HostBuffer
+) -> None:
+    """A load batch with a never-stored block fails that block only: the others land, the
+    missing one is counted (``missing_blocks``) and becomes a MISS for the request."""
+    tier = make_tier(server.url, host)
+    async with running(tier):
+        assert (await store(tier, host, [0, 2], [0, 1])).success
+        ctx = kc.ReqContext("r")
+        assert await lookups(tier, [key(0), key(1), key(2)], ctx) == [R.HIT, R.MISS, R.HIT]
+        result = await load(tier, [0, 1, 2], [5, 6, 7])
+        assert not result.success and set(result.successful_keys or ()) == {key(0), key(2)}
+        assert bytes(host.row(5)) == pattern(0) and bytes(host.row(7)) == pattern(2)
+        assert tier.counters["missing_blocks"] == 1 and tier.counters["errors"] == 0
+
+
+async def test_corrupt_foreign_or_short_value_is_a_miss_and_deleted(
+    server: Server, host: kc.HostBuffer
+) -> None:
+    """A flipped payload byte, another key's value, a truncated value: each load fails, the
+    primary row is left untouched, the value is deleted and counted (``corrupt_blocks``)."""
+    tier = make_tier(server.url, host)
+    client = sync_client(server.url)
+    async with running(tier):
+        assert (await store(tier, host, [0, 1, 2], [0, 1, 2])).success
+        names = [tier.object_key(key(i)) for i in range(3)]
+        blob = bytearray(client.get(names[0]))
+        blob[HEADER_BYTES + 10] ^= 1
+        client.set(names[0], bytes(blob))
+        client.set(names[1], client.get(names[2]))  # a foreign block (key digest differs)
+        client.set(names[2], client.get(names[2])[:-4096])
+        for i in range(3):
+            host.row(8)[:] = b"\x55" * BLOCK
+            assert not (await load(tier, [i], [8])).success
+            assert bytes(host.row(8)) == b"\x55" * BLOCK
+        assert tier.counters["corrupt_blocks"] == 3
+        assert client.exists(*names) == 0
+        assert await lookups(tier, [key(0)], kc.ReqContext("x")) == [R.MISS]
+    client.close()
+
+
+async def test_block_evicted_by_the_server_is_a_clean_miss(
+    tmp_path: Path, host: kc.HostBuffer
+) -> None:
+    """A server with ``maxmemory`` and ``allkeys-lru``: storing far more than fits evicts the
+    oldest blocks on the server; those are MISS at lookup and a clean failed block at load
+    (``missing_blocks``, no error), the newest load byte-exact, stores never fail."""
+    srv = Server(tmp_path / "lru", "--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru")
+    srv.start()
+    try:
+        tier = make_tier(srv.url, host)
+        async with running(tier):
+            for i in range(0, 160, 8):  # 160 values of 12 KiB: ~2 MiB of payload alone
+                assert (await store(tier, host, list(range(i, i + 8)), list(range(8)))).success
+            got = await lookups(tier, [key(i) for i in range(160)], kc.ReqContext("r"))
+            assert got[0] == R.MISS and got[-1] == R.HIT
+            assert (await load(tier, [159], [9])).success
+            assert bytes(host.row(9)) == pattern(159)
+            assert not (await load(tier, [0], [10])).success
+            assert tier.counters["missing_blocks"] == 1
+            assert tier.counters["errors"] == tier.counters["store_failures"] == 0
+    finally:
+        srv.stop()
+
+
+async def test_full_server_refuses_stores_logs_once_and_recovers(
+    tmp_path: Path, host: kc.HostBuffer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``maxmemory`` with ``noeviction``: the start-up warns, a store past the limit fails with
+    the server's OOM answer, stores are then dropped without a command for ``DOWN_RETRY_S``,
+    loads keep working; once the server has room, stores succeed again (no restart)."""
+    caplog.set_level(logging.INFO, logger="kvcascade")
+    srv = Server(tmp_path / "oom", "--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
+    srv.start()
+    try:
+        tier = make_tier(srv.url, host)
+        async with running(tier):
+            assert "noeviction" in caplog.text
+            assert (await store(tier, host, [0])).success
+            failed = None
+            for i in range(1, 400, 4):
+                result = await store(tier, host, list(range(i, i + 4)), [1, 2, 3, 4])
+                if not result.success:
+                    failed = result
+                    break
+            assert failed is not None and "full (OutOfMemoryError)" in (failed.error or "")
+            dropped = await store(tier, host, [1000], [5])
+            assert not dropped.success and "full; store dropped" in (dropped.error or "")
+            assert tier.counters["store_dropped_blocks"] == 1
+            assert (await load(tier, [0], [9])).success and bytes(host.row(9)) == pattern(0)
+            assert caplog.text.count("out of memory") == 1
+            srv.cli("CONFIG", "SET", "maxmemory", "0")
+            await asyncio.sleep(valkey_module.DOWN_RETRY_S + 0.1)
+            assert (await store(tier, host, [2000], [6])).success
+    finally:
+        srv.stop()
+
+
+async def test_server_restart_degrades_then_recovers_without_restart(
+    tmp_path: Path, host: kc.HostBuffer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server killed: the first command fails and marks it down (one warning), then
+    lookups MISS, stores are dropped and loads fail without a command; restarted empty on the
+    same port, the tier answers again after ``DOWN_RETRY_S`` (one info line): old blocks are
+    misses, new ones round-trip."""
+    caplog.set_level(logging.INFO, logger="kvcascade")
+    srv = Server(tmp_path / "restart")
+    srv.start()
+    try:
+        tier = make_tier(srv.url, host, max_attempts=1, timeout_s=1)
+        async with running(tier):
+            assert (await store(tier, host, [0])).success
+            srv.kill()
+            first = await store(tier, host, [1])
+            assert not first.success and "unreachable" in (first.error or "")
+            assert not (await store(tier, host, [2])).success
+            assert tier.counters["store_dropped_blocks"] == 1
+            assert await lookups(tier, [key(0)], kc.ReqContext("a")) == [R.MISS]
+            assert not (await load(tier, [0], [9])).success
+            srv.start()
+            await asyncio.sleep(valkey_module.DOWN_RETRY_S + 0.1)
+            assert await lookups(tier, [key(0)], kc.ReqContext("b")) == [R.MISS]
+            assert (await store(tier, host, [3])).success
+            assert (await load(tier, [3], [10])).success and bytes(host.row(10)) == pattern(3)
+        assert caplog.text.count("unreachable; lookups miss") == 1
+        assert caplog.text.count("answers again") == 1
+    finally:
+        srv.stop()
+
+
+# -- replay --------------------------------------------------------------------------------
+def replay_argv(tmp_path: Path, url: str, out: Path) -> list[str]:
+    """``kvcascade replay`` arguments for a trace of 6 conversations served round-robin, each
+    turn one block longer, through GPU and CPU tiers too small to keep them: the returning
+    turns are served by the valkey tier at ``url``."""
+    trace = tmp_path / "trace.jsonl"
+    lines = []
+    for i in range(48):
+        chat, turn = i % 6, i // 6
+        lines.append(json.dumps({"hash_ids": [chat * 1000 + j for j in range(turn + 2)]}))
+    trace.write_text("\n".join(lines) + "\n")
+    argv = ["replay", str(trace), "--block-bytes", "4096", "--cpu-blocks", "8"]
+    return [*argv, "--gpu-blocks", "16", "--no-fs", "--valkey", url, "--json", str(out)]
+
+
+def test_cli_replay_with_valkey(
+    server: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kvcascade replay --no-fs --valkey URL``: conversations that come back after the small
+    GPU and CPU tiers dropped them are served by the valkey tier, byte-exact (the replay checks
+    every loaded byte); hits and traffic are in the table and the JSON report."""
+    out = tmp_path / "r.json"
+    assert main([*replay_argv(tmp_path, server.url, out), "--quiet"]) == 0
+    report = json.loads(out.read_text())
+    assert report["hit_blocks"]["valkey"] > 0 and report["mismatched_blocks"] == 0
+    assert report["bytes"]["cpu_to_valkey"] > 0 and report["bytes"]["valkey_to_cpu"] > 0
+    assert report["config"]["secondary_tiers"] == [{"type": "valkey", "url": server.url}]
+    table = capsys.readouterr().out
+    assert "hit blocks: valkey" in table and "bytes cpu → valkey" in table
+
+
+def test_replay_report_hides_the_valkey_password(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A server with ``requirepass``: ``replay --valkey URL --config`` with the tier's
+    ``password`` authenticates (hits), and the JSON report and the table show ``***`` instead
+    of the password."""
+    srv = Server(tmp_path / "auth", password=PASSWORD)
+    srv.start()
+    try:
+        out = tmp_path / "r.json"
+        cfg = {"secondary_tiers": [{"type": "valkey", "password": PASSWORD}]}
+        argv = [*replay_argv(tmp_path, srv.url, out), "--config", json.dumps(cfg)]
+        assert main([*argv, "--quiet"]) == 0
+        report = json.loads(out.read_text())
+        assert report["hit_blocks"]["valkey"] > 0
+        assert report["config"]["secondary_tiers"][0]["password"] == "***"
+        assert PASSWORD not in out.read_text() and PASSWORD not in capsys.readouterr().out
+    finally:
+        srv.stop()
+
+
+# -- back-pressure ------------------------------------------------------------------------
+def test_admission_budget_follows_the_measured_rate(host: kc.HostBuffer) -> None:
+    """The admission rule of kvcascade/backpressure.py on its own clock: before any rate a tier
+    may queue up to the cap; a stalled window drops it to the floor; one job always goes when
+    nothing is queued; a fast window raises the budget back (bounded by the cap); drops are
+    counted on the tier's metric."""
+    now = [0.0]
+    tiers = [kc.MemoryTier(host, name="slow")]
+    metrics = TieringMetrics(["slow"])
+    adm = CascadeAdmission(tiers, 100, metrics, floor_blocks=4, clock=lambda: now[0])
+    assert adm.cap == 50 and adm.budget(0) == 50
+    assert all(adm.admit(0, 10) for _ in range(5)) and not adm.admit(0, 1)
+    now[0] = 1.0  # a window of 1 s with nothing finished: live rate 0 → floor
+    assert adm.budget(0) == 4
+    adm.finished(0, 10)  # closes the window: 10 blocks in 1 s
+    assert adm.budget(0) == 10 and not adm.admit(0, 2)
+    for _ in range(4):
+        adm.finished(0, 10)
+    assert metrics.value("cascade_queued_blocks", 0) == 0
+    assert adm.admit(0, 70)  # nothing queued: one job always goes
+    now[0] = 1.1
+    adm.finished(0, 70)  # 70 blocks in 0.1 s: 700 blocks/s, averaged with 10: budget = cap
+    assert adm.budget(0) == 50
+    assert metrics.value("cascade_dropped_blocks", 0) == 3
+    assert metrics.value("cascade_throughput_bytes", 0) == pytest.approx(355 * BLOCK)
+    with pytest.raises(ValueError, match="max_lag_s out of range: 0"):
+        CascadeAdmission(tiers, 100, metrics, max_lag_s=0)
+
+
+BP_BLOCK = 64 * 1024
+BP_SLOTS = 48
+
+
+async def test_slow_server_back_pressure_keeps_primary_stores_and_recovers(
+    server: Server, tmp_path: Path
+) -> None:
+    """An engine storing 2 new blocks per step through the synchronous hooks while the valkey
+    server is throttled to 1 MiB/s by a proxy (an fs tier beside it keeps up): no GPU→CPU store
+    is refused for want of a primary slot, the cascades the slow tier cannot take are dropped
+    and counted for that tier only, every block the valkey tier reports stored loads back
+    byte-exact, the fs tier has every block; throttle lifted, the valkey tier takes every store
+    again."""
+    host = kc.HostBuffer(BP_SLOTS, BP_BLOCK)
+    primary = CPUOffloadingManager(BP_SLOTS)
+    mapper = FileMapper(default_identity())
+    fs = FileSystemTier(host, tmp_path / "fs", mapper)
+    payloads: dict[bytes, bytes] = {}
+
+    def step(coord: TieringCoordinator, i: int) -> None:
+        ctx = kc.ReqContext(f"r{i}")
+        coord.on_new_request(ctx)
+        keys = [key(10_000 + 2 * i), key(10_001 + 2 * i)]
+        out = coord.prepare_store(keys, ctx)
+        assert out is not None, f"step {i}: the primary tier refused a store (all pinned)"
+        for k, slot in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
+            payloads[k] = pattern(int.from_bytes(k[:4], "big"), BP_BLOCK)
+            host.row(int(slot))[:] = payloads[k]
+        coord.complete_store(out.keys_to_store, ctx)
+        coord.on_request_finished(ctx)
+        coord.on_schedule_end()
+
+    try:
+        async with ThrottleProxy(server.port, rate=1 << 20) as proxy:
+            vk = make_tier(proxy.url, host, timeout_s=20, io_timeout_s=60)
+            async with running(vk, fs):
+                coord = TieringCoordinator(primary, [vk, fs])
+                for i in range(150):
+                    step(coord, i)
+                    await asyncio.sleep(0.005)
+                dropped = coord.metrics.value("cascade_dropped_blocks", 0)
+                assert dropped > 0 and coord.metrics.value("cascade_dropped_blocks", 1) == 0
+                assert coord.metrics.value("cascade_queued_blocks", 0) <= BP_SLOTS // 2
+                proxy.rate = None
+                await vk.drain()
+                await fs.drain()
+                coord.poll_now()
+                admitted_run, i = 0, 150
+                while admitted_run < 30 and i < 600:  # until 30 steps in a row were admitted
+                    before = coord.metrics.value("cascade_dropped_blocks", 0)
+                    step(coord, i)
+                    await vk.drain()
+                    coord.poll_now()
+                    same = coord.metrics.value("cascade_dropped_blocks", 0) == before
+                    admitted_run = admitted_run + 1 if same else 0
+                    i += 1
+                assert admitted_run == 30
+                assert coord.metrics.value("cascade_throughput_bytes", 0) > 0
+                await fs.drain()
+                coord.poll_now()
+                stored = [k for e in vk.take_events() for k in e.keys]
+                assert len(stored) + dropped == len(payloads) == 2 * i
+                assert await fs.contains(list(payloads)) == [True] * len(payloads)
+                # nothing lost or corrupted: every stored block loads back byte-exact
+                for tier, keys in ((vk, stored), (fs, list(payloads))):
+                    for n in range(0, len(keys), BP_SLOTS):
+                        part = keys[n : n + BP_SLOTS]
+                        slots = list(range(len(part)))
+                        assert (await tier.submit_load(job(part, slots, True))).success
+                        for k, slot in zip(part, slots, strict=True):
+                            assert bytes(host.row(slot)) == payloads[k]
+    finally:
+        host.close()
+
+
+# -- cluster --------------------------------------------------------------------------------
+async def test_cluster_roundtrip_spreads_blocks_over_every_master(
+    cluster: Cluster, host: kc.HostBuffer
+) -> None:
+    """On a 3-master cluster the blocks of one job land on every master (one key per block:
+    value and header never split across slots); a probe batch spanning slots answers per key;
+    loads are byte-exact; a corrupt value is deleted on whichever node holds it."""
+    tier = make_tier(cluster.url, host, cluster=True)
+    client = sync_client(cluster.url, cluster=True)
+    async with running(tier):
+        assert (await store(tier, host, list(range(12)), list(range(12)))).success
+        assert all(int(m.cli("DBSIZE")) > 0 for m in cluster.masters)
+        got = await lookups(tier, [key(i) for i in range(16)], kc.ReqContext("r"))
+        assert got == [R.HIT] * 12 + [R.MISS] * 4
+        for slot in range(12):
+            host.row(slot)[:] = bytes(BLOCK)
+        assert (await load(tier, list(range(12)), list(range(12)))).success
+        assert all(bytes(host.row(i)) == pattern(i) for i in range(12))
+        name = tier.object_key(key(5))
+        blob = bytearray(client.get(name))
+        blob[-1 - (file_size(BLOCK) - HEADER_BYTES - BLOCK)] ^= 0xFF  # last payload byte
+        client.set(name, bytes(blob))
+        assert not (await load(tier, [5], [13])).success
+        assert tier.counters["corrupt_blocks"] == 1 and client.exists(name) == 0
+    client.close()
+
+
+async def test_cluster_failover_degrades_then_serves_the_replicated_blocks(
+    cluster: Cluster, host: kc.HostBuffer
+) -> None:
+    """The first master (which has a replica) killed: while the cluster fails over the tier
+    degrades (failed or dropped stores, misses), never raises; once the replica is master the
+    same tier, not restarted, loads every block byte-exact (those of the killed master from its
+    replica) and stores again. Runs last: it changes the module's cluster."""
+    tier = make_tier(cluster.url, host, cluster=True, timeout_s=1, max_attempts=2)
+    master, replica = cluster.masters[0], cluster.replica
+    client = sync_client(cluster.url, cluster=True)
+    on_master = [
+        n
+        for n in range(100, 200)
+        if client.get_node_from_key(tier.object_key(key(n))).port == master.port
+    ][:3]
+    client.close()
+    async with running(tier):
+        assert (await store(tier, host, list(range(12)), list(range(12)))).success
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the replica has every write of its master
+            offset = master.cli("INFO", "replication").split("master_repl_offset:")[1].split()[0]
+            if f"offset={offset}," in master.cli("INFO", "replication"):
+                break
+            await asyncio.sleep(0.05)
+        master.kill()
+        results = [await store(tier, host, [n], [12]) for n in on_master]
+        assert not all(r.success for r in results)  # degraded, reported as failed results
+        deadline = time.monotonic() + 20
+        while "role:master" not in replica.cli("INFO", "replication") or cluster.state() != "ok":
+            assert time.monotonic() < deadline, "the replica did not take over"
+            await asyncio.sleep(0.2)
+        for slot in range(12):
+            host.row(slot)[:] = bytes(BLOCK)
+        deadline = time.monotonic() + 20
+        while not (result := await load(tier, list(range(12)), list(range(12)))).success:
+            assert time.monotonic() < deadline, f"no recovery after the failover: {result}"
+            await asyncio.sleep(0.3)
+        assert all(bytes(host.row(i)) == pattern(i) for i in range(12))
+        assert (await store(tier, host, [200, 201], [12, 13])).success
+        assert await lookups(tier, [key(200), key(201)], kc.ReqContext("f")) == [R.HIT, R.HIT]
