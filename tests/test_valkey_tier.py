@@ -203,10 +203,12 @@ async def test_block_evicted_by_the_server_is_a_clean_miss(
             for i in range(0, 160, 8):  # 160 values of 12 KiB: ~2 MiB of payload alone
                 assert (await store(tier, host, list(range(i, i + 8)), list(range(8)))).success
             got = await lookups(tier, [key(i) for i in range(160)], kc.ReqContext("r"))
-            assert got[0] == R.MISS and got[-1] == R.HIT
+            # The server's LRU is sampled (approximate): some old block is gone, not always 0.
+            evicted = got.index(R.MISS)
+            assert evicted < 80 and got[-1] == R.HIT
             assert (await load(tier, [159], [9])).success
             assert bytes(host.row(9)) == pattern(159)
-            assert not (await load(tier, [0], [10])).success
+            assert not (await load(tier, [evicted], [10])).success
             assert tier.counters["missing_blocks"] == 1
             assert tier.counters["errors"] == tier.counters["store_failures"] == 0
     finally:
