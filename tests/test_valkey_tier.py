@@ -148,6 +148,19 @@ async def test_roundtrip_layout_and_value_are_the_fs_block_file(
     client.close()
 
 
+async def test_invalidate_deletes_the_values(server: Server, host: kc.HostBuffer) -> None:
+    """Issue #21 item 6: invalidate deletes the values on the server, answers how many existed
+    and turns cached HIT verdicts into MISS."""
+    tier = make_tier(server.url, host)
+    async with running(tier):
+        assert (await store(tier, host, [0, 1], [0, 1])).success
+        ctx = kc.ReqContext("r")
+        assert await lookups(tier, [key(0)], ctx) == [R.HIT]
+        assert await tier.invalidate([key(0), key(1), key(2)]) == 2
+        assert await tier.contains([key(0), key(1)]) == [False, False]
+        assert await lookups(tier, [key(0)], ctx) == [R.MISS]
+
+
 async def test_missing_block_is_a_clean_miss_and_the_batch_reports_what_loaded(
     server: Server, host: kc.HostBuffer
 ) -> None:

@@ -487,6 +487,21 @@ class ValkeyTier(SecondaryTier):
             )
         return [a == 1 for a in answers]
 
+    async def _remove(self, keys: Sequence[bytes]) -> list[bool]:
+        """``DEL`` each key's value (one pipeline; per key in a cluster); True where it existed.
+
+        Raises:
+            TierUnavailableError / TransferError: the server did not answer or refused.
+        """
+
+        async def delete() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.delete(self.object_key(key))
+            return list(await pipe.execute())
+
+        return [a == 1 for a in await self._command("DEL", delete)]
+
 
 _CONFIG_KEYS = {
     "url",
