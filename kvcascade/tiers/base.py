@@ -55,7 +55,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
-from .._errors import CorruptBlockError, TierUnavailableError, TransferError
+from .._errors import CorruptBlockError, KVCascadeError, TierUnavailableError, TransferError
 from .._types import (
     JobResult,
     LookupResult,
@@ -769,3 +769,32 @@ class SecondaryTier(ABC):
         self._closed = True
         if self._loop is not None and self._wake is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._wake.set)
+
+
+async def gather_blocks(
+    mover: Callable[[bytes, memoryview], Awaitable[int]],
+    what: str,
+    keys: Sequence[bytes],
+    rows: Sequence[memoryview],
+) -> int:
+    """Run a native tier's per-block ``mover`` on every block concurrently; bytes moved.
+
+    Every block is tried; ``what`` (e.g. ``"s3 store"``) names the job in the error.
+
+    Raises:
+        TransferError: some block failed with a kvcascade error; carries the keys that
+            succeeded (job order) and the first failure as its cause.
+        the first failure itself when it is not a kvcascade error (a bug, not an I/O fault).
+    """
+    results = await asyncio.gather(
+        *(mover(k, r) for k, r in zip(keys, rows, strict=True)), return_exceptions=True
+    )
+    failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+    if not failed:
+        return sum(r for r in results if isinstance(r, int))
+    i, first = failed[0]
+    if not isinstance(first, KVCascadeError):
+        raise first
+    bad = {j for j, _ in failed}
+    succeeded = [k for j, k in enumerate(keys) if j not in bad]
+    raise TransferError(f"{what} of block {i} failed: {first}", succeeded) from first

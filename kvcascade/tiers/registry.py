@@ -140,13 +140,7 @@ def check_tier_config(tier_cfg: dict[str, Any], block_bytes: int) -> None:
         ConfigError: see :func:`resolve_tier_factory` and the type's checker (e.g.
             :func:`kvcascade.tiers.fs.check_fs_tier_config`).
     """
-    factory = resolve_tier_factory(tier_cfg)
-    kwargs = {k: v for k, v in tier_cfg.items() if k not in ("type", "module_path")}
-    kwargs.setdefault("name", tier_cfg["type"])
-    try:
-        inspect.signature(factory).bind(None, **kwargs)
-    except TypeError as exc:
-        raise ConfigError(f"secondary tier {tier_cfg['type']!r}: {exc}") from exc
+    _, kwargs = _factory_and_kwargs(tier_cfg, None)
     check = _CHECKS.get(tier_cfg["type"]) if not tier_cfg.get("module_path") else None
     if check is not None:
         _resolve(check)(kwargs, block_bytes)
@@ -159,6 +153,19 @@ def create_secondary_tier(tier_cfg: dict[str, Any], ctx: TierContext) -> Seconda
     Raises:
         ConfigError: see :func:`resolve_tier_factory`, or a bad tier key.
     """
+    factory, kwargs = _factory_and_kwargs(tier_cfg, ctx)
+    return factory(ctx, **kwargs)
+
+
+def _factory_and_kwargs(
+    tier_cfg: dict[str, Any], ctx: TierContext | None
+) -> tuple[TierFactory, dict[str, Any]]:
+    """The entry's factory and keyword arguments (``name`` defaulting to the type), checked
+    to bind to the factory's signature.
+
+    Raises:
+        ConfigError: see :func:`resolve_tier_factory`, or a key the factory does not take.
+    """
     factory = resolve_tier_factory(tier_cfg)
     kwargs = {k: v for k, v in tier_cfg.items() if k not in ("type", "module_path")}
     kwargs.setdefault("name", tier_cfg["type"])
@@ -166,4 +173,4 @@ def create_secondary_tier(tier_cfg: dict[str, Any], ctx: TierContext) -> Seconda
         inspect.signature(factory).bind(ctx, **kwargs)
     except TypeError as exc:
         raise ConfigError(f"secondary tier {tier_cfg['type']!r}: {exc}") from exc
-    return factory(ctx, **kwargs)
+    return factory, kwargs

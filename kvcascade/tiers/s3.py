@@ -59,7 +59,7 @@ import logging
 import math
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import aiobotocore.session
@@ -85,7 +85,7 @@ from .._errors import (
 )
 from .._types import OffloadingEvent
 from ._file_mapper import FileMapper
-from .base import SecondaryTier
+from .base import SecondaryTier, gather_blocks
 from .cpu import HostBuffer
 from .fs import HEADER_BYTES, check_block, encode_header, file_size
 
@@ -598,37 +598,12 @@ class S3Tier(SecondaryTier):
         if not self._available():
             self.counters["store_dropped_blocks"] += len(keys)
             raise TransferError(f"s3 endpoint {self.endpoint} is down; store dropped")
-        return await self._each(self._store_one, "store", keys, rows)
+        return await gather_blocks(self._store_one, "s3 store", keys, rows)
 
     async def _load_blocks(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
         if not self._available():
             raise TransferError(f"s3 endpoint {self.endpoint} is down")
-        return await self._each(self._load_one, "load", keys, rows)
-
-    async def _each(
-        self,
-        mover: Callable[[bytes, memoryview], Awaitable[int]],
-        kind: str,
-        keys: Sequence[bytes],
-        rows: Sequence[memoryview],
-    ) -> int:
-        """Run ``mover`` on every block concurrently; bytes moved.
-
-        Raises:
-            TransferError: some block failed; carries the keys that succeeded (job order).
-        """
-        results = await asyncio.gather(
-            *(mover(k, r) for k, r in zip(keys, rows, strict=True)), return_exceptions=True
-        )
-        failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
-        if not failed:
-            return sum(r for r in results if isinstance(r, int))
-        i, first = failed[0]
-        if not isinstance(first, KVCascadeError):
-            raise first
-        bad = {j for j, _ in failed}
-        succeeded = [k for j, k in enumerate(keys) if j not in bad]
-        raise TransferError(f"s3 {kind} of block {i} failed: {first}", succeeded) from first
+        return await gather_blocks(self._load_one, "s3 load", keys, rows)
 
     async def _store_one(self, key: bytes, row: memoryview) -> int:
         if key in self._known:
