@@ -46,7 +46,7 @@ class Mutation:
 MUTATIONS = [
     Mutation(
         "defect1",
-        SCHEDULER,
+        CASCADE,
         (
             (
                 "kvcascade/coordinator.py",
