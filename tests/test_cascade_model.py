@@ -321,6 +321,37 @@ class CascadeModel(RuleBasedStateMachine):
             self.cascade.finish_request(writer.ctx)
             self.cascade.finish_request(reader.ctx)
 
+    @precondition(lambda self: not self.ops)
+    @rule(j=st.integers(0, 3), row=st.integers(0, GPU_ROWS - 1))
+    def store_from_a_row_a_promotion_fills(self, j: int, row: int) -> None:
+        """A key only a secondary tier holds is loaded into a GPU row (its promotion in flight),
+        and meanwhile its group-1 alias is stored from that row: the store must publish the
+        bytes the load brings, not the row's stale bytes."""
+        absent = [
+            k
+            for k in KEYS
+            if self.cascade.primary.get_block(k) is None
+            and self.cascade.primary.get_block(alias(k)) is None
+            and k not in self.tainted
+            and os.path.exists(self.fs.path_of(k))
+            and k not in self.damaged
+        ]
+        if not absent:
+            return
+        key = absent[j % len(absent)]
+        reader, writer = self._new_ctx(), self._new_ctx()
+        out: kc.PrefixLookup = self.run(self.cascade.lookup_prefix([key], reader.ctx))
+        if out.keys:
+            self.cascade.device.kv[row] = 0  # stale KV
+            load = self.loop.create_task(self.cascade.load([key], reader.ctx, [row]))
+            stored: kc.StoreResult = self.run(self.cascade.store([alias(key)], writer.ctx, [row]))
+            result: kc.LoadResult = self.run(load)
+            self._loaded([key], [row], result)
+            if alias(key) in stored.stored and not result.loaded:
+                self.tainted.add(alias(key))  # the row kept its stale bytes
+        self.cascade.finish_request(reader.ctx)
+        self.cascade.finish_request(writer.ctx)
+
     @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3, unique=True))
     def abort_then_drain(self, keys: list[bytes]) -> None:
         """A request looks up (secondary hits queue promotions into reserved slots) and is
