@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
@@ -61,6 +62,22 @@ def payload(key: bytes) -> bytes:
 
 
 ALL_KEYS = KEYS + [alias(k) for k in KEYS]
+
+
+class ErrorLog(logging.Handler):
+    """The ERROR records of the ``kvcascade`` loggers while it is attached (both model tests)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[str] = []
+        logging.getLogger("kvcascade").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(f"{record.name}: {record.getMessage()} ({record.exc_info!r:.200})")
+
+    def close(self) -> None:
+        logging.getLogger("kvcascade").removeHandler(self)
+        super().close()
 
 
 class FaultyTier(ScriptedTier):
@@ -106,6 +123,7 @@ class CascadeModel(RuleBasedStateMachine):
         self.provisional: set[bytes] = set()  # stored from rows a load in flight fills
         self.damaged: set[bytes] = set()  # fs files the test truncated or corrupted
         self.n = 0
+        self.errors = ErrorLog()
 
     def run(self, aw: Awaitable[Any]) -> Any:
         return self.loop.run_until_complete(aw)
@@ -223,6 +241,7 @@ class CascadeModel(RuleBasedStateMachine):
         if picked is None:
             return
         keys, req.found = req.found, []
+        self.cascade.device.kv[picked] = 0  # stale KV, unlike any key's bytes
         task = self.loop.create_task(self.cascade.load(keys, req.ctx, picked))
         op = Op("load", req, keys, picked, task)
         self.ops.append(op)
@@ -279,6 +298,68 @@ class CascadeModel(RuleBasedStateMachine):
             op.aliases[key] = i
         else:
             self.provisional.discard(key)
+
+    @precondition(lambda self: not self.ops)
+    @rule(key=st.sampled_from(KEYS), rows=st.permutations(range(GPU_ROWS)))
+    def load_a_key_twice_while_it_cascades(self, key: bytes, rows: list[int]) -> None:
+        """``store([K])``, then at once ``lookup_prefix([K, K])`` and ``load`` into two GPU rows
+        while K's cascade may still hold its read pin: the calls refuse the repeated key, or the
+        pins of K stay balanced (else a load or the cascade's result fails on a missing pin)."""
+        writer, reader = self._new_ctx(), self._new_ctx()
+        self.cascade.device.kv[rows[0]] = torch.frombuffer(
+            bytearray(payload(key)), dtype=torch.int8
+        )
+        try:
+            self.run(self.cascade.store([key], writer.ctx, rows[:1]))
+            out: kc.PrefixLookup = self.run(self.cascade.lookup_prefix([key, key], reader.ctx))
+            if len(out.keys) == 2:
+                result = self.run(self.cascade.load([key, key], reader.ctx, rows[1:3]))
+                self._loaded([key, key], rows[1:3], result)
+        except (ValueError, TypeError):
+            pass  # the repeated key refused
+        finally:
+            self.cascade.finish_request(writer.ctx)
+            self.cascade.finish_request(reader.ctx)
+
+    @precondition(lambda self: not self.ops)
+    @rule(j=st.integers(0, 3), row=st.integers(0, GPU_ROWS - 1))
+    def store_from_a_row_a_promotion_fills(self, j: int, row: int) -> None:
+        """A key only a secondary tier holds is loaded into a GPU row (its promotion in flight),
+        and meanwhile its group-1 alias is stored from that row: the store must publish the
+        bytes the load brings, not the row's stale bytes."""
+        absent = [
+            k
+            for k in KEYS
+            if self.cascade.primary.get_block(k) is None
+            and self.cascade.primary.get_block(alias(k)) is None
+            and k not in self.tainted
+            and os.path.exists(self.fs.path_of(k))
+            and k not in self.damaged
+        ]
+        if not absent:
+            return
+        key = absent[j % len(absent)]
+        reader, writer = self._new_ctx(), self._new_ctx()
+        out: kc.PrefixLookup = self.run(self.cascade.lookup_prefix([key], reader.ctx))
+        if out.keys:
+            self.cascade.device.kv[row] = 0  # stale KV
+            load = self.loop.create_task(self.cascade.load([key], reader.ctx, [row]))
+            stored: kc.StoreResult = self.run(self.cascade.store([alias(key)], writer.ctx, [row]))
+            result: kc.LoadResult = self.run(load)
+            self._loaded([key], [row], result)
+            if alias(key) in stored.stored and not result.loaded:
+                self.tainted.add(alias(key))  # the row kept its stale bytes
+        self.cascade.finish_request(reader.ctx)
+        self.cascade.finish_request(writer.ctx)
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3, unique=True))
+    def abort_then_drain(self, keys: list[bytes]) -> None:
+        """A request looks up (secondary hits queue promotions into reserved slots) and is
+        aborted before any load; then drain and check that no reservation outlived it."""
+        req = self._new_ctx()
+        self.run(self.cascade.lookup_prefix(keys, req.ctx))
+        self.cascade.finish_request(req.ctx)
+        self._drain_and_check()
 
     @precondition(lambda self: bool(self.ops))
     @rule(j=st.integers(0, 7))
@@ -371,8 +452,10 @@ class CascadeModel(RuleBasedStateMachine):
                 self.run(tier.drain())
             self.run(asyncio.sleep(0.01))
             cascade.coordinator.poll_now()
+            # queued promotions are no work in flight: they must have been submitted by now
             if (
-                not cascade.coordinator.has_pending_work()
+                not cascade.coordinator.job_futures()
+                and not any(t.has_pending_work() for t in cascade.tiers)
                 and not self.mem.counters["stuck_threads"]
             ):
                 break
@@ -387,6 +470,7 @@ class CascadeModel(RuleBasedStateMachine):
             f"{primary.num_blocks - primary.num_free - len(tracked)} primary slots neither free "
             "nor tracked (quarantined) after the cascades drained"
         )
+        assert not self.errors.records, self.errors.records[0]
         if self.fs.max_bytes is not None:
             # A file deleted from outside leaves the index when a probe finds it gone.
             self.run(self.fs.contains(ALL_KEYS))
@@ -406,6 +490,12 @@ class CascadeModel(RuleBasedStateMachine):
             self.stack = None
 
     # -- invariants ------------------------------------------------------------------------
+    @invariant()
+    def nothing_logged_an_error(self) -> None:
+        """An ERROR from kvcascade (e.g. the coordinator's "applying the result of job") is a
+        broken invariant the code caught and logged instead of raising."""
+        assert not self.errors.records, self.errors.records[0]
+
     @invariant()
     def stored_bytes_are_the_keys_bytes(self) -> None:
         if self.stack is None:
@@ -444,6 +534,7 @@ class CascadeModel(RuleBasedStateMachine):
             if self.stack is not None:
                 self.mem.release.set()
             self._close()
+            self.errors.close()
             self.loop.close()
             shutil.rmtree(self.root, ignore_errors=True)
 

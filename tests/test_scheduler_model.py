@@ -40,6 +40,7 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from test_cascade_model import ErrorLog
 from test_coordinator_model import ScriptedTier
 
 import kvcascade as kc
@@ -141,6 +142,7 @@ class SchedulerModel(RuleBasedStateMachine):
         self.loop = asyncio.new_event_loop()
         self.actors: list[asyncio.Task[None]] = []
         self.host: kc.HostBuffer | None = None
+        self.errors = ErrorLog()
 
     def run(self, aw: Awaitable[Any]) -> Any:
         return self.loop.run_until_complete(aw)
@@ -511,6 +513,12 @@ class SchedulerModel(RuleBasedStateMachine):
 
     # -- invariants ----------------------------------------------------------------------------
     @invariant()
+    def nothing_logged_an_error(self) -> None:
+        """An ERROR from kvcascade (e.g. the coordinator's "applying the result of job") is a
+        broken invariant the code caught and logged instead of raising."""
+        assert not self.errors.records, self.errors.records[0]
+
+    @invariant()
     def rows_hold_their_keys(self) -> None:
         if self.host is None:
             return
@@ -528,6 +536,7 @@ class SchedulerModel(RuleBasedStateMachine):
             assert data == payload(key), f"tier block {key.hex()[:8]} holds other bytes"
 
     def teardown(self) -> None:
+        self.errors.close()
         if self.host is not None:
             self.tier.release.set()
             self.run(self.tier.drain())
