@@ -7,7 +7,7 @@ GPU blocks; a transfer pairs GPU blocks with CPU sub-blocks by the copy plan of 
 (:func:`kvcascade.ops.batch_copy`). The device tier never talks to a secondary tier.
 
 Two mailboxes, one per direction (stores GPU→CPU, loads CPU→GPU); transfers of one direction
-complete in submission order (spec §5.4). Every copy runs on that direction's worker thread,
+complete in submission order (docs/device.md). Every copy runs on that direction's worker thread,
 never on the event-loop thread (issue #15: a copy from pageable memory is synchronous in CUDA,
 and the first copies must not wait for the kernel build — they use the fallbacks of
 :func:`kvcascade.ops.batch_copy` until the extension has loaded in the background).
@@ -252,7 +252,7 @@ class DeviceTier:
         with torch.cuda.device(self.device):
             stream.wait_event(ready)
             if select_kernel(src, dst, len(descriptors[0]), wait_for_build=False) == "triton":
-                with torch.cuda.stream(stream):  # many small pages: spec §5.4's Triton kernel
+                with torch.cuda.stream(stream):  # many small pages: Triton (docs/device.md)
                     nbytes = triton_batch_copy(*descriptors, self.page_bytes, self.device)
             else:
                 nbytes = batch_copy(

@@ -473,7 +473,7 @@ class FileSystemTier(SecondaryTier):
             return [k for k in keys if k in self._index]
 
     def touch(self, keys: Collection[bytes]) -> None:
-        """Mark ``keys`` most recently used, the last one most (spec §3.8 recency; only with
+        """Mark ``keys`` most recently used, the last one most (vLLM's touch recency; only with
         ``max_bytes``). Keys given without an order (a set) are refreshed in key order, so that
         eviction never depends on the iteration order of a set (PYTHONHASHSEED)."""
         if self._index is None:
