@@ -34,8 +34,9 @@ timeouts; the job as a whole is bounded by ``io_timeout_s`` (:class:`SecondaryTi
   server, never stored, deleted) fails its block as a miss (``counters["missing_blocks"]``); a
   corrupt or foreign one is deleted and counted (``counters["corrupt_blocks"]``).
 * **Lookup**: RETRY-then-verdict lookups (docs/coordinator.md) over one pipeline of
-  ``EXISTS`` per probe batch (split per node by the cluster client). kvcascade keeps no index of the server's keys: the
-  server owns capacity (``maxmemory`` and its eviction policy), so only it knows what is there.
+  ``EXISTS`` per probe batch (split per node by the cluster client). kvcascade keeps no index
+  of the server's keys: the server owns capacity (``maxmemory`` and its eviction policy), so
+  only it knows what is there.
 * **Degradation**: no answer (refused, reset, timed out, loading, ``CLUSTERDOWN``; classified in
   one place, :data:`_MEANINGS`) marks the server down for :data:`DOWN_RETRY_S` seconds: probes
   answer ``MISS``, stores are dropped (``counters["store_dropped_blocks"]``) and loads fail, all
