@@ -3,6 +3,13 @@ real ``TieringCoordinator`` and a scripted memory tier, run by a fake engine tha
 vLLM v1's scheduler (``vllm/v1/core/sched/scheduler.py``) and a fake worker that imitates
 ``kvcascade.integrations.vllm._WorkerSide``.
 
+The machine has one rule, the engine step, so every example is a run of steps long enough for
+requests to be stored, evicted, promoted and read again. Before a step: a burst of requests may
+arrive (sharing a family's prompt prefix, continuing an earlier request as its next turn, with a
+higher priority than the waiting queue, or owned by another connector of a MultiConnector that
+computes them or loads their KV itself), the tier's next job may be scripted to fail, a running
+request may be preempted and a live one aborted.
+
 Each engine step: preempted requests free their blocks; running requests get the blocks their
 next tokens need (the last running request is preempted when blocks run out); waiting requests
 are looked up (``get_num_new_matched_tokens``), get blocks, and ``update_state_after_alloc`` —
@@ -17,10 +24,11 @@ tier jobs complete.
 
 Checked: a store copies only GPU blocks that still hold the KV of its key (a block re-allocated
 and rewritten must have been flushed first); every loaded chunk holds the bytes of its key;
-every ready primary row and every tier block holds the bytes of its key; a promotion that landed
-for a request is a hit at that request's next lookup; a request's store cursor passes a chunk
-only if the chunk is stored, being written, or its own write of it failed — never leaving a
-hole when another request's write of a shared chunk fails.
+every ready primary row and every tier block holds the bytes of its key; a promotion that
+landed for a request stays in the primary tier until that request's next lookup, and is a hit
+there; a request's store cursor passes a chunk only if the chunk is stored, being written, or
+its own write of it failed — never leaving a hole when another request's write of a shared
+chunk fails.
 
 The default run is deterministic (``derandomize``); ``KVCASCADE_MODEL_EXAMPLES=<n>`` runs ``n``
 random examples instead.
@@ -56,8 +64,8 @@ from kvcascade.scheduler import (
 
 T = 4  # tokens per block = per hash = per chunk (blocks_per_chunk 1)
 BLOCK = 64  # KV bytes of one block
-GPU_BLOCKS = 10  # ids 1..10; 0 is vLLM's null block
-FAMILIES = ["f0", "f1"]  # requests of one family share their prompt's leading tokens
+GPU_BLOCKS = 16  # ids 1..16; 0 is vLLM's null block
+FAMILIES = ["f0", "f1", "f2", "f3"]  # requests of one family share their prompt's leading tokens
 
 
 def payload(key: bytes) -> bytes:
@@ -73,7 +81,8 @@ class Request:
     family: str
     num_prompt_tokens: int
     max_new: int
-    foreign: bool = False  # owned by another connector of a MultiConnector
+    parent: Request | None = None  # the earlier turn of the conversation it continues
+    foreign: str = ""  # owned by another connector of a MultiConnector: "scheduled", "remote"
     num_tokens: int = 0
     num_computed_tokens: int = 0
     kv_transfer_params: dict | None = None
@@ -95,8 +104,11 @@ class Request:
         self.num_tokens = self.num_prompt_tokens
 
     def block_hash(self, j: int) -> bytes:
-        # Blocks entirely inside the prompt are shared by the family; later ones are the
-        # request's own (they hold its sampled tokens).
+        # A next turn's blocks within its parent's tokens are the parent's; other blocks
+        # entirely inside the prompt are shared by the family; later ones are the request's
+        # own (they hold its sampled tokens).
+        if self.parent is not None and (j + 1) * T <= self.parent.num_tokens:
+            return self.parent.block_hash(j)
         owner = self.family if (j + 1) * T <= self.num_prompt_tokens else self.request_id
         return hashlib.sha256(f"{owner}/{j}".encode()).digest()[:16]
 
@@ -164,8 +176,8 @@ class SchedulerModel(RuleBasedStateMachine):
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.finished_ids: list[str] = []  # finished since the last step (vLLM's list)
-        self.to_preempt: Request | None = None
         self.queued: list[WorkerJob] = []  # stores waiting for the next step's start
+        self.remote_loads: list[Request] = []  # the other connector's loads of this step
         self.unacked: list[WorkerJob] = []  # copied, not yet reported
         self.fail_stores: tuple[int, ...] = ()  # positions of this step's failing store copies
         self.stores_copied = 0
@@ -179,62 +191,101 @@ class SchedulerModel(RuleBasedStateMachine):
             self.ready_at[key] = self.t
 
     # -- rules -------------------------------------------------------------------------------
-    @rule(
-        family=st.sampled_from(FAMILIES),
-        sizes=st.lists(st.tuples(st.integers(1, 3), st.integers(1, T - 1)), min_size=1, max_size=3),
-        max_new=st.integers(1, 4),
-        foreign=st.booleans(),
+    # One rule: every example is a run of engine steps, so that requests live long enough to
+    # be stored, evicted, promoted and read.
+    _BURST = st.tuples(  # the arguments of _arrive
+        st.sampled_from(FAMILIES),
+        st.lists(st.tuples(st.integers(1, 3), st.integers(1, T - 1)), min_size=1, max_size=3),
+        st.integers(1, 4),
+        st.sampled_from(["", "", "scheduled", "remote"]),
+        st.booleans(),
+        st.none() | st.integers(0, 15),
     )
-    def add_requests(
-        self, family: str, sizes: list[tuple[int, int]], max_new: int, foreign: bool
+
+    def _arrive(
+        self,
+        family: str,
+        sizes: list[tuple[int, int]],
+        max_new: int,
+        foreign: str,
+        front: bool,
+        turn: int | None,
     ) -> None:
         """A burst of requests whose prompts share the family's leading tokens (``chunks`` full
-        chunks plus ``tail`` tokens each); ``foreign``: owned by another connector."""
+        chunks plus ``tail`` tokens each). ``foreign``: owned by another connector of a
+        MultiConnector, which computes it (``"scheduled"``) or first loads its full chunks into
+        its blocks (``"remote"``, WAITING_FOR_REMOTE_KVS; our connector sees an allocation with
+        0 external tokens). ``front``: the burst has a higher priority than the waiting queue
+        (vLLM's ``--scheduling-policy priority``) and is looked up first. ``turn``: the first
+        request of the burst is the next turn of a completed request (its prompt: that
+        request's tokens and ``tail`` more), so it reads blocks stored long ago."""
+        done = [r for r in self.reqs if r.status == "done" and not r.aborted and not r.foreign]
+        done = [r for r in done if r.num_tokens <= 5 * T]  # keep prompts within the GPU
+        parent = done[turn % len(done)] if turn is not None and done and not foreign else None
+        burst = []
         for chunks, tail in sizes:
-            if len(self.reqs) >= 12:
-                return
+            if len(self.reqs) >= 16:
+                break
             rid = f"r{len(self.reqs)}"
-            req = Request(rid, rid if foreign else family, chunks * T + tail, max_new, foreign)
+            if parent is not None:
+                size, fam = parent.num_tokens + tail, parent.family
+            else:
+                size, fam = chunks * T + tail, rid if foreign else family
+            req = Request(rid, fam, size, max_new, parent=parent, foreign=foreign)
+            parent = None
             self.reqs.append(req)
-            self.waiting.append(req)
+            burst.append(req)
             if not foreign:
                 self.sched.on_new_request(req)
-
-    @rule(mode=st.sampled_from(["ok", "fail"]))
-    def script_tier(self, mode: str) -> None:
-        self.tier.modes.append(mode)
-
-    @rule(i=st.integers(0, 11))
-    def preempt(self, i: int) -> None:
-        if self.running:
-            self.to_preempt = self.running[i % len(self.running)]
-
-    @rule(i=st.integers(0, 11))
-    def abort(self, i: int) -> None:
-        live = [r for r in self.reqs if r.status in ("waiting", "running")]
-        if live:
-            req = live[i % len(live)]
-            req.aborted = True
-            self._finish(req)
+        if front:
+            self.waiting[:0] = burst
+        else:
+            self.waiting += burst
 
     @rule(
+        arrive=st.none() | _BURST,
         late_copy=st.booleans(),
         late_ack=st.booleans(),
         drain=st.booleans(),
         fail=st.sampled_from([(), (), (), (0,), (1,)]),
+        tier=st.sampled_from(["", "", "ok", "fail"]),
+        preempt=st.sampled_from([None] * 6 + [0, 1]),
+        abort=st.sampled_from([None] * 10 + [0, 1]),
     )
-    def step(self, late_copy: bool, late_ack: bool, drain: bool, fail: tuple[int, ...]) -> None:
+    def step(
+        self,
+        arrive: tuple[str, list[tuple[int, int]], int, str, bool, int | None] | None,
+        late_copy: bool,
+        late_ack: bool,
+        drain: bool,
+        fail: tuple[int, ...],
+        tier: str,
+        preempt: int | None,
+        abort: int | None,
+    ) -> None:
         """One engine step; the worker fails the store jobs it copies at positions ``fail``
-        of this step's copy order."""
+        of this step's copy order. Before it: ``tier`` scripts the tier's next job (ok or
+        fail); ``preempt`` picks a running request the scheduler preempts this step;
+        ``abort`` picks a live request the client aborts. (Folded into the step so that most
+        rules advance the engine.) ``arrive``: a burst of requests (``_arrive``) first."""
+        if arrive is not None:
+            self._arrive(*arrive)
+        if tier:
+            self.tier.modes.append(tier)
+        if abort is not None:
+            live = [r for r in self.reqs if r.status in ("waiting", "running")]
+            if live:
+                req = live[abort % len(live)]
+                req.aborted = True
+                self._finish(req)
         self.t += 1
         self.fail_stores = fail
         self.stores_copied = 0
         preempted: list[str] = []
         scheduled: list[ScheduledRequest] = []
         tokens: dict[str, int] = {}
-        if self.to_preempt is not None and self.to_preempt in self.running:
-            self._preempt(self.to_preempt, preempted)
-        self.to_preempt = None
+        if preempt is not None and self.running:
+            self._preempt(self.running[preempt % len(self.running)], preempted)
         for req in list(self.running):
             if req not in self.running:
                 continue  # preempted for an earlier request
@@ -308,7 +359,19 @@ class SchedulerModel(RuleBasedStateMachine):
         """Look a waiting request up and allocate it; False when blocks ran out."""
         rid = req.request_id
         hits = 0
+        remote = (req.num_prompt_tokens // T) * T
+        if req.foreign == "remote" and req.num_computed_tokens == 0 and remote:
+            # The other connector loads the full chunks into fresh blocks this step.
+            need = remote // T
+            if len(self.free) < need:
+                return False
+            req.blocks = [self.free.pop() for _ in range(need)]
+            self.sched.update_state_after_alloc(rid, [[(b, False) for b in req.blocks]], 0)
+            req.status = "loading"
+            self.remote_loads.append(req)
+            return True
         if req.num_computed_tokens == 0 and not req.foreign:
+            self._check_landed(req)
             run = self._landed_run(req)
             hits, _ = self.sched.get_num_new_matched_tokens(rid, 0)
             if hits is None:
@@ -342,6 +405,18 @@ class SchedulerModel(RuleBasedStateMachine):
         self.waiting.remove(req)
         self.running.append(req)
         return True
+
+    def _check_landed(self, req: Request) -> None:
+        """A block promoted for a request stays in the primary tier until that request's next
+        lookup reads it or the request finishes (vLLM #49902). Checked after every step and
+        right before the request's lookup (an earlier request's lookup may have evicted it)."""
+        if req.finished:
+            return
+        for key in self.landed.get(req.request_id, ()):
+            assert self.primary.get_block(key) is not None, (
+                f"the promotion of {key.hex()[:8]} landed for {req.request_id}, which has not "
+                "read it yet, but the block was evicted"
+            )
 
     def _landed_run(self, req: Request) -> int:
         """Leading chunks of ``req`` that its lookup must find: pinned by its earlier lookup
@@ -413,6 +488,12 @@ class SchedulerModel(RuleBasedStateMachine):
         for job in running:  # handle_preemptions: flushed jobs copy before anything else
             if job.job_id in plan.jobs_to_flush:
                 self._copy(job)
+        for req in self.remote_loads:  # the other connector's loads, before our copies end
+            for j, b in enumerate(req.blocks):
+                self.gpu[b] = np.frombuffer(payload(req.key(j)), np.uint8)
+            req.num_computed_tokens = len(req.blocks) * T
+            req.status = "waiting"
+        self.remote_loads = []
         running += [self._job(j, spec, False) for j, spec in plan.load_jobs.items()]
         if not late_copy:
             for job in running:
@@ -519,6 +600,12 @@ class SchedulerModel(RuleBasedStateMachine):
         assert not self.errors.records, self.errors.records[0]
 
     @invariant()
+    def landed_promotions_stay_until_read(self) -> None:
+        if self.host is not None:
+            for req in self.reqs:
+                self._check_landed(req)
+
+    @invariant()
     def rows_hold_their_keys(self) -> None:
         if self.host is None:
             return
@@ -550,7 +637,7 @@ class SchedulerModel(RuleBasedStateMachine):
 _EXAMPLES = int(os.environ.get("KVCASCADE_MODEL_EXAMPLES", "0"))
 SchedulerModel.TestCase.settings = settings(
     max_examples=_EXAMPLES or 60,
-    stateful_step_count=40,
+    stateful_step_count=60,
     derandomize=not _EXAMPLES,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
