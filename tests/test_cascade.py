@@ -141,13 +141,17 @@ class UnreachableTier(kc.MemoryTier):
 
 
 async def test_failed_start_of_a_second_tier_stops_the_first() -> None:
-    """Defect 10: when the second tier fails to start, start_tier_actors (and so open_cascade)
+    """Defect 10: when the second tier fails to start, serve_coordinator (and so open_cascade)
     raises with the first tier's actor already stopped and closed, not left running."""
     host = kc.HostBuffer(4, 64)
     try:
         first = kc.MemoryTier(host)
+        coord = kc.TieringCoordinator(
+            kc.CPUOffloadingManager(4), [first, UnreachableTier(host, name="down")]
+        )
         with pytest.raises(kc.TierUnavailableError, match="not reachable"):
-            await kc.start_tier_actors([first, UnreachableTier(host, name="down")])
+            async with kc.serve_coordinator(coord):
+                raise AssertionError("must not start")
         assert [t for t in asyncio.all_tasks() if t.get_name().startswith("kvcascade-")] == []
         with pytest.raises(kc.TierUnavailableError):
             first.submit_store(kc.TransferJob(0, [key(1)], [0], False))

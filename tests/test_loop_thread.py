@@ -15,8 +15,8 @@ from kvcascade.integrations._loop import LoopThread
 LIVENESS_S = 10.0  # a join bound that detects a caller blocked forever, not a speed limit
 
 
-def _build() -> tuple[kc.TieringCoordinator, list[kc.SecondaryTier]]:
-    return kc.TieringCoordinator(kc.CPUOffloadingManager(8), []), []
+def _build() -> kc.TieringCoordinator:
+    return kc.TieringCoordinator(kc.CPUOffloadingManager(8), [])
 
 
 def _echo(value: int) -> int:

@@ -24,9 +24,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from .._errors import TierUnavailableError
-from ..cascade import SHUTDOWN_TIMEOUT_S, start_tier_actors, stop_tier_actors
+from .._lifecycle import SHUTDOWN_TIMEOUT_S, serve_coordinator
 from ..coordinator import TieringCoordinator
-from ..tiers.base import SecondaryTier
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +37,16 @@ class LoopThread:
     """A daemon thread running an event loop that owns a coordinator and its tier actors.
 
     Args:
-        build: called on the loop thread; returns the coordinator and its secondary tiers
-            (whose actors are then started, as ``open_cascade`` does).
+        build: called on the loop thread; returns the coordinator, which then runs in
+            :func:`kvcascade._lifecycle.serve_coordinator` (as in ``open_cascade``) until
+            :meth:`close`.
 
     Raises:
         Exception: whatever ``build`` or a tier actor's start raised (re-raised here).
         TimeoutError: the loop did not become ready within ``START_TIMEOUT_S`` seconds.
     """
 
-    def __init__(self, build: Callable[[], tuple[TieringCoordinator, list[SecondaryTier]]]):
+    def __init__(self, build: Callable[[], TieringCoordinator]):
         self._build = build
         self._loop = asyncio.new_event_loop()
         self._ready: concurrent.futures.Future[TieringCoordinator] = concurrent.futures.Future()
@@ -74,18 +74,16 @@ class LoopThread:
             self._loop.close()
 
     async def _serve(self) -> None:
-        actors: list[asyncio.Task[None]] = []
-        coordinator: TieringCoordinator | None = None
         try:
-            coordinator, tiers = self._build()
-            actors = await start_tier_actors(tiers)
+            coordinator = self._build()
+            async with serve_coordinator(coordinator):
+                self._ready.set_result(coordinator)
+                await self._stop.wait()
         except BaseException as exc:
-            self._ready.set_exception(exc)
-            await stop_tier_actors(coordinator, actors)
-            return
-        self._ready.set_result(coordinator)
-        await self._stop.wait()
-        await stop_tier_actors(coordinator, actors)
+            if self._ready.done():
+                log.error("kvcascade: the loop's coordinator stopped with %r", exc)
+            else:
+                self._ready.set_exception(exc)
 
     def _fail_pending(self) -> None:
         """On the loop thread, once the loop has stopped: refuse new calls and fail every
@@ -188,7 +186,7 @@ class LoopThread:
 
 async def _cancel_remaining_tasks() -> None:
     """Cancel the tasks still on the loop once ``_serve`` has returned (portal coroutines that
-    never finished, actors ``stop_tier_actors`` cancelled) and wait for them, at most
+    never finished, actors the lifecycle cancelled) and wait for them, at most
     ``SHUTDOWN_TIMEOUT_S`` seconds — ``asyncio.run``'s teardown, bounded."""
     tasks = asyncio.all_tasks() - {asyncio.current_task()}
     for task in tasks:
