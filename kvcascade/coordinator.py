@@ -111,7 +111,10 @@ class TieringCoordinator:
         writes: the primary writes in flight and the quarantined slots
             (:class:`~kvcascade._pending_writes.PendingWrites`).
 
-    All methods run on the event-loop thread that runs the tiers' actors and never block.
+    All methods run on the event-loop thread that runs the tiers' actors and never block; the
+    awaitable front's :meth:`lookup_prefix` and :meth:`reset_cache` are coroutines. The
+    coordinator alone says which keys are readable (:meth:`readable_prefix`) and which writes
+    are in flight (:attr:`writes`, :meth:`write_futures`).
     """
 
     def __init__(
