@@ -22,27 +22,27 @@ async def main() -> None:
     primary = kc.CPUOffloadingManager(num_blocks=2, enable_events=True)
     memory = kc.MemoryTier(host)  # the in-memory secondary tier shipped for tests
     memory.blocks[key(7)] = b"\x07" * 4096  # a block another engine left in the tier
-    actors = await kc.start_tier_actors([memory])
     coordinator = kc.TieringCoordinator(primary, [memory])
-    request = kc.ReqContext("req-1")
-    coordinator.on_new_request(request)
+    async with kc.serve_coordinator(coordinator):  # the tier actors run inside the block
+        request = kc.ReqContext("req-1")
+        coordinator.on_new_request(request)
 
-    for step in range(4):
-        result = coordinator.lookup(key(7), request)
-        print(f"step {step}: lookup → {result.name}")
-        if result is LookupResult.HIT:
-            slots = coordinator.prepare_load([key(7)], request).block_ids
-            print(f"  load from primary slot {slots[0]}: {bytes(host.row(int(slots[0])))[:4]!r}…")
-            coordinator.complete_load([key(7)], request)
-            break
-        coordinator.on_schedule_end()  # flush probes and promotions; no waiting
-        await asyncio.sleep(0.01)  # the engine runs its forward pass; tier actors work meanwhile
-    coordinator.on_request_finished(request)
-    print(
-        "events:",
-        [(e.tier, "removed" if e.removed else "stored") for e in coordinator.take_events()],
-    )
-    await kc.stop_tier_actors(coordinator, actors)
+        for step in range(4):
+            result = coordinator.lookup(key(7), request)
+            print(f"step {step}: lookup → {result.name}")
+            if result is LookupResult.HIT:
+                slots = coordinator.prepare_load([key(7)], request).block_ids
+                row = bytes(host.row(int(slots[0])))
+                print(f"  load from primary slot {slots[0]}: {row[:4]!r}…")
+                coordinator.complete_load([key(7)], request)
+                break
+            coordinator.on_schedule_end()  # flush probes and promotions; no waiting
+            await asyncio.sleep(0.01)  # the engine's forward pass; tier actors work meanwhile
+        coordinator.on_request_finished(request)
+        print(
+            "events:",
+            [(e.tier, "removed" if e.removed else "stored") for e in coordinator.take_events()],
+        )
     host.close()
 
 

@@ -1,10 +1,11 @@
 """Cache-policy state across restarts (issue #9 item 5): kept beside the fs tier's data.
 
 A primary-tier policy that learns (``turn_aware``: per-class re-read statistics) has
-``save_state(path)`` / ``load_state(path)``. When the cascade has an fs tier, the
-:class:`~kvcascade.coordinator.TieringCoordinator` loads the state at construction from
+``save_state(path)`` / ``load_state(path)``. When the cascade has an fs tier, the lifecycle
+(:func:`kvcascade._lifecycle.serve_coordinator`, entered by ``open_cascade`` and by the vLLM
+connector's loop thread) loads the state when the tiers start from
 ``<root_dir>/<model>_<digest12>/<file>`` — the fs namespace's directory, next to its
-``config.json``, shared by all ranks — and saves it at shutdown. ``<file>`` is the policy's
+``config.json``, shared by all ranks — and saves it after they drained. ``<file>`` is the policy's
 ``state_file_name`` attribute (``turn_aware_state.json``), else
 ``policy_state_<ClassName>.json``. The namespace digest covers the model, dtype, block size,
 salt and file format, so a state file is only found by a cascade of the same identity.

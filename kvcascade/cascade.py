@@ -1,8 +1,9 @@
-"""The cascade: one object that owns every tier, its actors' task group, and the awaitable API.
+"""The cascade: one object that owns every tier and the awaitable API.
 
-``async with kvcascade.open_cascade(config) as cascade:`` builds the primary tier, the device
-tier and the secondary tiers, starts the tier actors in one task group, and on exit drains and
-stops them (no actor outlives the block). The awaitable API —
+``async with kvcascade.open_cascade(config) as cascade:`` builds the device tier and, with
+:func:`kvcascade._lifecycle.build_coordinator`, the primary and secondary tiers and their
+coordinator, runs the tier actors (:func:`kvcascade._lifecycle.serve_coordinator`: one task
+group), and on exit drains and stops them (no actor outlives the block). The awaitable API —
 :meth:`Cascade.lookup_prefix`, :meth:`Cascade.load`, :meth:`Cascade.store` — drives the same
 :class:`~kvcascade.coordinator.TieringCoordinator` state that a synchronous scheduler drives
 through its hooks.
@@ -23,35 +24,15 @@ import numpy as np
 from ._config import CascadeConfig
 from ._errors import TierUnavailableError
 from ._keys import _GROUP_BYTES
-from ._types import LookupResult, OffloadingEvent, ReqContext
-from .coordinator import TieringCoordinator
-from .index.cpu import CPUOffloadingManager
+from ._lifecycle import build_coordinator, serve_coordinator
+from ._types import OffloadingEvent, ReqContext
+from .coordinator import PrefixLookup, TieringCoordinator
 from .tiers._file_mapper import default_identity
 from .tiers.base import SecondaryTier
 from .tiers.cpu import HostBuffer
 from .tiers.device import DeviceTier, DeviceTransfer
-from .tiers.registry import TierContext, create_secondary_tier
 
 log = logging.getLogger(__name__)
-
-SHUTDOWN_TIMEOUT_S = 30.0
-
-
-@dataclass
-class PrefixLookup:
-    """The leading keys available in some tier, and where each one comes from.
-
-    ``tiers[i]`` is ``"cpu"`` for a primary-tier hit or the secondary tier's name for a block
-    being promoted from it.
-    """
-
-    keys: list[bytes] = field(default_factory=list)
-    tiers: list[str] = field(default_factory=list)
-
-    @property
-    def num_hits(self) -> int:
-        """Number of leading keys available."""
-        return len(self.keys)
 
 
 @dataclass
@@ -107,26 +88,19 @@ class Cascade:
         self.config = config
         self._closed = False
         self.host = HostBuffer(config.num_cpu_blocks, config.block_bytes)
-        self.primary = CPUOffloadingManager(
-            config.num_cpu_blocks, config.eviction_policy, enable_events=config.enable_events
-        )
-        self.device = DeviceTier(config.gpu_blocks, self.host)
-        self.tiers: list[SecondaryTier] = []
         identity = default_identity(
             model_name=config.model_name,
             cache_salt=config.cache_salt,
             block_bytes=config.block_bytes,
         )
+        self.device = DeviceTier(config.gpu_blocks, self.host)
         try:
-            for tier_cfg in config.secondary_tiers:
-                self.tiers.append(create_secondary_tier(tier_cfg, TierContext(self.host, identity)))
+            self.coordinator: TieringCoordinator = build_coordinator(config, self.host, identity)
         except BaseException:
             self._release()
             raise
-        self.coordinator = TieringCoordinator(
-            self.primary, self.tiers, pending_write_timeout_s=config.pending_write_timeout_s
-        )
-        self._store_waits: dict[bytes, asyncio.Future[None]] = {}
+        self.primary = self.coordinator.primary
+        self.tiers: list[SecondaryTier] = self.coordinator.tiers
         # GPU block id → the load filling it: a store from that block waits for it first.
         self._loading: dict[int, asyncio.Future[None]] = {}
         self._opened = False
@@ -149,33 +123,7 @@ class Cascade:
         (``examples/asyncio_cascade.py``).
         """
         self._check(keys, ctx)
-        coord = self.coordinator
-        absent = [k for k in keys if self.primary.get_block(k) is None]
-        found: list[dict[bytes, bool]] = []
-        for tier in self.tiers:
-            answers = await tier.contains(absent) if absent else []
-            found.append(dict(zip(absent, answers)))
-        out = PrefixLookup()
-        for key in keys:
-            verdicts = {i: f[key] for i, f in enumerate(found) if key in f}
-            in_primary = self.primary.get_block(key) is not None
-            if not in_primary and len(verdicts) < len(self.tiers):
-                # Evicted since the batch probe (an earlier key's promotion took its slot):
-                # it may still be in a secondary tier, so ask now instead of calling it a miss.
-                for i, tier in enumerate(self.tiers):
-                    verdicts[i] = found[i][key] = (await tier.contains([key]))[0]
-            result = coord.lookup(key, ctx, verdicts=verdicts)
-            if result is LookupResult.HIT:
-                out.tiers.append("cpu")
-            elif result is LookupResult.HIT_PENDING:
-                source = coord.promotion_source(key) if in_primary else None
-                if source is None and not in_primary:
-                    source = next(self.tiers[i].name for i, f in sorted(verdicts.items()) if f)
-                out.tiers.append(source or "cpu")
-            else:
-                break
-            out.keys.append(key)
-        return out
+        return await self.coordinator.lookup_prefix(keys, ctx)
 
     async def load(
         self, keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Sequence[int]
@@ -211,17 +159,11 @@ class Cascade:
     ) -> LoadResult:
         coord = self.coordinator
         coord.on_schedule_end()
-        waits: list[asyncio.Future[Any]] = coord.job_futures(promotions=True, keys=keys)
-        waits += {id(f): f for k in keys if (f := self._store_waits.get(k))}.values()
+        waits = coord.write_futures(keys)
         if waits:
             await asyncio.wait(waits)
         coord.poll_now()
-        ready: list[bytes] = []
-        for key in keys:
-            block = self.primary.get_block(key)
-            if block is None or block.ref_cnt < 0:
-                break
-            ready.append(key)
+        ready = list(keys[: coord.readable_prefix(keys)])
         coord.release_lookup_pins(ctx, keys[len(ready) :])
         if not ready:
             return LoadResult(0, failed_keys=list(keys))
@@ -267,7 +209,7 @@ class Cascade:
             out = coord.prepare_store(keys, ctx)
         dropped = 0
         if out is None:  # store the leading part that fits; the rest is dropped
-            fits = self._fitting_prefix(keys)
+            fits = coord.storable_prefix(keys)
             out = coord.prepare_store(keys[:fits], ctx) if fits else None
             dropped = len(keys) - (fits if out is not None else 0)
             self._count_dropped(dropped, len(keys), "the CPU tier has no evictable room")
@@ -277,36 +219,16 @@ class Cascade:
             return StoreResult(dropped=dropped)
         index = {k: i for i, k in enumerate(keys)}
         src = np.asarray([gpu_ids[index[k]] for k in out.keys_to_store], dtype=np.int64)
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        for key in out.keys_to_store:
-            self._store_waits[key] = done
         copy = asyncio.ensure_future(self.device.store(src, out.store_spec.block_ids))  # type: ignore[attr-defined]
         try:
             transfer = await _uncancellable(copy)
         finally:
             coord.complete_store(out.keys_to_store, ctx, success=_succeeded(copy))
-            for key in out.keys_to_store:
-                if self._store_waits.get(key) is done:
-                    del self._store_waits[key]
-            done.set_result(None)
         if not transfer.success:
             log.warning("device store failed: %s", transfer.error)
             self.counters["store_dropped_blocks"] += len(out.keys_to_store)
             return StoreResult(dropped=dropped + len(out.keys_to_store))
         return StoreResult(out.keys_to_store, dropped, transfer.bytes)
-
-    def _fitting_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` the primary tier can take now: their new keys fit in its
-        free slots plus the idle blocks that are not among them (those the store protects)."""
-        primary = self.primary
-        room = primary.num_free + primary.num_evictable
-        for i, key in enumerate(keys):
-            block = primary.get_block(key)
-            if block is None or block.ref_cnt == 0:  # a new slot, or a protected idle block
-                room -= 1
-                if room < 0:
-                    return i
-        return len(keys)
 
     def _count_dropped(self, dropped: int, asked: int, why: str) -> None:
         """Count dropped store keys; log the first drop as a warning, later ones at debug."""
@@ -475,73 +397,14 @@ def _succeeded(copy: asyncio.Future[DeviceTransfer]) -> bool:
     )
 
 
-async def start_tier_actors(tiers: Sequence[SecondaryTier]) -> list[asyncio.Task[None]]:
-    """Start each tier's actor (:meth:`SecondaryTier.run`) and wait until it is ready.
-
-    Returns the actor tasks, for :func:`stop_tier_actors`.
-
-    Raises:
-        whatever an actor's start-up raised, after the actors already started were stopped
-        (closed and awaited, bounded by ``SHUTDOWN_TIMEOUT_S``): a failed start leaves nothing
-        running.
-    """
-    actors: list[asyncio.Task[None]] = []
-    try:
-        for tier in tiers:
-            started = asyncio.Event()
-            actor = asyncio.create_task(tier.run(started.set), name=f"kvcascade-{tier.name}")
-            actors.append(actor)
-            ready = asyncio.create_task(started.wait())
-            try:
-                await asyncio.wait([actor, ready], return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                ready.cancel()
-            if actor.done():
-                actor.result()  # the actor failed to start: raise its error
-    except BaseException:
-        for tier in tiers[: len(actors)]:
-            tier.close()
-        await asyncio.shield(_join_actors(actors))
-        raise
-    return actors
-
-
-async def _join_actors(actors: Sequence[asyncio.Task[None]]) -> None:
-    """Wait for stopped actors, bounded by ``SHUTDOWN_TIMEOUT_S`` (then cancel them); log the
-    errors of those that failed. Never raises."""
-    if not actors:
-        return
-    done, pending = await asyncio.wait(actors, timeout=SHUTDOWN_TIMEOUT_S)
-    for actor in pending:
-        actor.cancel()
-    for actor in done:
-        if not actor.cancelled() and actor.exception() is not None:
-            log.error("tier actor %s failed: %r", actor.get_name(), actor.exception())
-
-
-async def stop_tier_actors(
-    coordinator: TieringCoordinator | None, actors: Sequence[asyncio.Task[None]]
-) -> None:
-    """Drain the coordinator's tiers, stop their actors and wait for them; each step bounded by
-    ``SHUTDOWN_TIMEOUT_S`` seconds (actors still running then are cancelled). Never raises."""
-    if coordinator is not None:
-        try:
-            async with asyncio.timeout(SHUTDOWN_TIMEOUT_S):
-                for tier in coordinator.tiers:
-                    await tier.drain()
-        except TimeoutError:
-            log.warning("kvcascade: tiers did not drain within %.0f s", SHUTDOWN_TIMEOUT_S)
-        coordinator.shutdown()
-    await _join_actors(actors)
-
-
 @contextlib.asynccontextmanager
 async def open_cascade(config: CascadeConfig) -> AsyncIterator[Cascade]:
     """Build a :class:`Cascade`, run its tier actors, and stop them when the block exits.
 
     On exit (normal or by an exception, which propagates unchanged) every tier is drained
     (bounded by ``SHUTDOWN_TIMEOUT_S`` seconds), its actor stops, its threads are joined, and
-    the host buffer is unmapped; no actor task outlives the block.
+    the host buffer is unmapped; no actor task outlives the block
+    (:func:`kvcascade._lifecycle.serve_coordinator`).
 
     Raises:
         ConfigError: a bad configuration value.
@@ -549,14 +412,8 @@ async def open_cascade(config: CascadeConfig) -> AsyncIterator[Cascade]:
     """
     cascade = Cascade(config)
     try:
-        actors = await start_tier_actors(cascade.tiers)
-    except BaseException:
-        cascade.coordinator.shutdown()
-        cascade._release()
-        raise
-    cascade._opened = True
-    try:
-        yield cascade
+        async with serve_coordinator(cascade.coordinator):
+            cascade._opened = True
+            yield cascade
     finally:
-        await stop_tier_actors(cascade.coordinator, actors)
         cascade._release()

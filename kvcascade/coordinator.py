@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +32,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from ._errors import BlockUnavailableError
-from ._policy_state import load_policy_state, policy_state_path, save_policy_state
+from ._pending_writes import PendingWrites
 from ._types import (
     CPULoadStoreSpec,
     JobResult,
@@ -50,7 +49,6 @@ from .backpressure import CascadeAdmission
 from .hints import admits_new_blocks
 from .index.cpu import CPUOffloadingManager
 from .metrics import TieringMetrics
-from .policies.base import BlockStatus
 from .tiers.base import SecondaryTier
 
 log = logging.getLogger(__name__)
@@ -76,6 +74,23 @@ class _RequestState:
 
 
 @dataclass
+class PrefixLookup:
+    """The leading keys available in some tier, and where each one comes from.
+
+    ``tiers[i]`` is ``"cpu"`` for a primary-tier hit or the secondary tier's name for a block
+    being promoted from it.
+    """
+
+    keys: list[bytes] = field(default_factory=list)
+    tiers: list[str] = field(default_factory=list)
+
+    @property
+    def num_hits(self) -> int:
+        """Number of leading keys available."""
+        return len(self.keys)
+
+
+@dataclass
 class _PendingPromotion:
     ctx: ReqContext
     keys: list[bytes] = field(default_factory=list)
@@ -93,12 +108,13 @@ class TieringCoordinator:
         registry: Prometheus registry for :attr:`metrics` (default: a private one).
 
     Attributes:
-        policy_state_path: where the primary policy's learned state is loaded from at
-            construction and saved to at :meth:`shutdown` — beside the first fs tier's
-            ``config.json`` — or None (a policy without state, or no fs tier); see
-            :mod:`kvcascade._policy_state`.
+        writes: the primary writes in flight and the quarantined slots
+            (:class:`~kvcascade._pending_writes.PendingWrites`).
 
-    All methods run on the event-loop thread that runs the tiers' actors and never block.
+    All methods run on the event-loop thread that runs the tiers' actors and never block; the
+    awaitable front's :meth:`lookup_prefix` and :meth:`reset_cache` are coroutines. The
+    coordinator alone says which keys are readable (:meth:`readable_prefix`) and which writes
+    are in flight (:attr:`writes`, :meth:`write_futures`).
     """
 
     def __init__(
@@ -111,7 +127,6 @@ class TieringCoordinator:
     ) -> None:
         self.primary = primary
         self.tiers = list(tiers)
-        self.pending_write_timeout_s = pending_write_timeout_s
         self.metrics = TieringMetrics([t.name for t in self.tiers], registry)
         self.metrics.primary_write_usage.set_function(lambda: self._primary_usage(False))
         self.metrics.primary_read_usage.set_function(lambda: self._primary_usage(True))
@@ -121,22 +136,20 @@ class TieringCoordinator:
         self._pending_promotions: list[dict[str, _PendingPromotion]] = [{} for _ in self.tiers]
         self._polled_this_step = False
         self._req_state: dict[str, _RequestState] = {}
-        # key → (monotonic start, req_id, job_id or None) of primary writes in flight.
-        self._writes: dict[bytes, tuple[float, str, int | None]] = {}
-        # Expired writes whose writer has not reported yet: key → (req_id, job_id, block).
-        # (A key may expire again while an older late writer of it is still out: a list.)
-        self._expired: dict[bytes, list[tuple[str, int | None, BlockStatus]]] = {}
-        # Jobs failed at their deadline whose thread has not returned:
-        # job_id → (keys still pinned, quarantined blocks), released when the thread returns.
-        self._abandoned: dict[int, tuple[list[bytes], list[BlockStatus]]] = {}
+        self.writes = PendingWrites(primary, pending_write_timeout_s)
         # Keys still being written → the requests waiting to send them to request-level tiers.
         self._awaiting: dict[bytes, list[_RequestState]] = {}
         self._event_signal: asyncio.Event | None = None
         self._closed = False
-        # A learning primary policy keeps its state beside the fs tier (docs/policies.md).
-        self.policy_state_path = policy_state_path(primary.policy, self.tiers)
-        if self.policy_state_path is not None:
-            load_policy_state(primary.policy, self.policy_state_path)
+
+    @property
+    def pending_write_timeout_s(self) -> float | None:
+        """Seconds after which a primary write still in flight is failed (None: never)."""
+        return self.writes.timeout_s
+
+    @pending_write_timeout_s.setter
+    def pending_write_timeout_s(self, value: float | None) -> None:
+        self.writes.timeout_s = value
 
     # -- polling -----------------------------------------------------------------------------
     def _poll(self, force: bool = False) -> None:
@@ -150,8 +163,7 @@ class TieringCoordinator:
                     self._apply(result)
                 except Exception:  # a broken invariant must not surface in the polling caller
                     log.exception("kvcascade: applying the result of job %d failed", result.job_id)
-        if self.pending_write_timeout_s is not None:
-            self._expire_writes()
+        self._expire_writes()
 
     def _primary_usage(self, reading: bool) -> float:
         """Fraction of primary slots being written (``reading=False``) or pinned by reads, read
@@ -171,7 +183,7 @@ class TieringCoordinator:
 
     def _apply(self, result: JobResult) -> None:
         if result.released:
-            self._release_abandoned(result.job_id)
+            self.writes.release(result.job_id)
             return
         entry = self._jobs.pop(result.job_id, None)
         if entry is None:
@@ -194,8 +206,8 @@ class TieringCoordinator:
             return
         self.metrics.active_promotion_jobs.labels(label).dec()
         ok = list(job.keys) if result.success else list(result.successful_keys or ())
-        ok = [k for k in ok if self._finish_write(k, job.job_id)]
-        failed = [k for k in job.keys if k not in set(ok) and self._finish_write(k, job.job_id)]
+        ok = [k for k in ok if self.writes.finish(k, job.job_id)]
+        failed = [k for k in job.keys if k not in set(ok) and self.writes.finish(k, job.job_id)]
         if ok:
             self.primary.complete_store(ok, job.req_context, success=True)
             self._hold_for_reader(ok, job.req_context)
@@ -229,60 +241,22 @@ class TieringCoordinator:
         if job.is_promotion:
             self.metrics.active_promotion_jobs.labels(label).dec()
             self.metrics.promotion_job_failures.labels(label).inc()
-            blocks = [
-                block
-                for key in job.keys
-                if self._finish_write(key, job.job_id)
-                and (block := self.primary.quarantine_write(key)) is not None
-            ]
-            self._abandoned[job.job_id] = ([], blocks)
+            written = [k for k in job.keys if self.writes.finish(k, job.job_id)]
+            self.writes.abandon(job.job_id, [], written)
         else:
             self.metrics.active_cascade_jobs.labels(label).dec()
             self.metrics.cascade_job_failures.labels(label).inc()
-            self._abandoned[job.job_id] = (list(job.keys), [])
-
-    def _release_abandoned(self, job_id: int) -> None:
-        entry = self._abandoned.pop(job_id, None)
-        if entry is not None:
-            keys, blocks = entry
-            if keys:
-                self.primary.complete_load(keys)
-            if blocks:
-                self.primary.release_quarantined(blocks)
-
-    # -- pending-write deadline --------------------------------------------------------------
-    def _start_write(self, keys: Sequence[bytes], req_id: str, job_id: int | None) -> None:
-        if self.pending_write_timeout_s is None:
-            return
-        now = time.monotonic()
-        for key in keys:
-            self._writes[key] = (now, req_id, job_id)
-
-    def _finish_write(self, key: bytes, job_id: int | None, req_id: str | None = None) -> bool:
-        """A writer reports ``key``; False if its write had expired (the report is dropped and
-        the quarantined slot freed)."""
-        entries = self._expired.get(key, ())
-        for i, (writer, expired_job, block) in enumerate(entries):
-            if expired_job == job_id and (req_id is None or writer == req_id):
-                del entries[i]
-                if not entries:
-                    del self._expired[key]
-                self.primary.release_quarantined([block])
-                return False
-        self._writes.pop(key, None)
-        return True
+            self.writes.abandon(job.job_id, job.keys, [])
 
     def _expire_writes(self) -> None:
-        assert self.pending_write_timeout_s is not None
-        limit = time.monotonic() - self.pending_write_timeout_s
-        late = [k for k, (start, _, _) in self._writes.items() if start < limit]
-        for key in late:
-            _, req_id, job_id = self._writes.pop(key)
-            block = self.primary.quarantine_write(key)
-            if block is not None:
-                self._expired.setdefault(key, []).append((req_id, job_id, block))
-                self.metrics.expired_writes.inc()
-                log.warning("a write into the primary tier passed its deadline; key is now a miss")
+        """Fail the primary writes past ``pending_write_timeout_s`` (their keys become misses)."""
+        late, quarantined = self.writes.expire()
+        if quarantined:
+            self.metrics.expired_writes.inc(quarantined)
+            log.warning(
+                "%d write(s) into the primary tier passed their deadline; the keys are now misses",
+                quarantined,
+            )
         self._send_awaited_writes(late)
 
     # -- lookups and promotion ------------------------------------------------------------
@@ -330,6 +304,41 @@ class TieringCoordinator:
             retry |= tier_result is _RETRY
         return _RETRY if retry else _MISS
 
+    async def lookup_prefix(self, keys: Sequence[bytes], ctx: ReqContext) -> PrefixLookup:
+        """The longest prefix of ``keys`` readable from some tier, awaiting the secondary
+        tiers' probes instead of answering ``RETRY`` (the walk of ``Cascade.lookup_prefix``).
+
+        Keys absent from the primary are probed in one batch per tier
+        (:meth:`SecondaryTier.contains`); then each key in order goes through :meth:`lookup`
+        with those verdicts (primary hits pinned, secondary hits promoted), and the first miss
+        ends the prefix. A key evicted from the primary since the batch probe (an earlier key's
+        promotion took its slot) is probed again on its own instead of being called a miss.
+        """
+        absent = [k for k in keys if self.primary.get_block(k) is None]
+        found: list[dict[bytes, bool]] = []
+        for tier in self.tiers:
+            answers = await tier.contains(absent) if absent else []
+            found.append(dict(zip(absent, answers)))
+        out = PrefixLookup()
+        for key in keys:
+            verdicts = {i: f[key] for i, f in enumerate(found) if key in f}
+            in_primary = self.primary.get_block(key) is not None
+            if not in_primary and len(verdicts) < len(self.tiers):
+                for i, tier in enumerate(self.tiers):
+                    verdicts[i] = found[i][key] = (await tier.contains([key]))[0]
+            result = self.lookup(key, ctx, verdicts=verdicts)
+            if result is _HIT:
+                out.tiers.append("cpu")
+            elif result is _PENDING:
+                source = self._promotion_source(key) if in_primary else None
+                if source is None and not in_primary:
+                    source = next(self.tiers[i].name for i, f in sorted(verdicts.items()) if f)
+                out.tiers.append(source or "cpu")
+            else:
+                break
+            out.keys.append(key)
+        return out
+
     def _initiate_promotion(self, tier_idx: int, key: bytes, ctx: ReqContext) -> bool:
         out = self.primary.prepare_store([key], ctx)
         if out is None:
@@ -361,7 +370,7 @@ class TieringCoordinator:
                     is_promotion=True,
                     req_context=pending.ctx,
                 )
-                self._start_write(job.keys, pending.ctx.req_id, job.job_id)
+                self.writes.start(job.keys, pending.ctx.req_id, job.job_id)
                 futures.append(self._submit(idx, job))
         return futures
 
@@ -415,6 +424,25 @@ class TieringCoordinator:
         """Unpin ``keys`` after the primary→GPU copy."""
         self.primary.complete_load(keys, ctx)
 
+    def readable_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are present and written in the primary tier now."""
+        for i, key in enumerate(keys):
+            block = self.primary.get_block(key)
+            if block is None or not block.is_ready:
+                return i
+        return len(keys)
+
+    def write_futures(self, keys: Collection[bytes]) -> list[asyncio.Future[Any]]:
+        """Futures of every write into the primary tier that ``keys`` wait for — promotion jobs
+        and GPU→CPU stores, of any request — done once each write was reported (apply the
+        promotions' results with :meth:`poll_now`). Call on the running loop."""
+        writers = self.writes.writers(keys)
+        stores = writers.pop(None, [])
+        futures: list[asyncio.Future[Any]] = [
+            entry[2] for job_id in writers if (entry := self._jobs.get(job_id)) is not None
+        ]
+        return futures + self.writes.waiters(stores)
+
     def touch(self, keys: Collection[bytes], ctx: ReqContext | None = None) -> None:
         """Recency: the primary tier, then every secondary tier (spec §3.8)."""
         self.primary.touch(keys, ctx)
@@ -442,7 +470,7 @@ class TieringCoordinator:
         state = self._state(ctx)
         if out.keys_to_store:
             state.pending_primary_stores += 1
-            self._start_write(out.keys_to_store, ctx.req_id, None)
+            self.writes.start(out.keys_to_store, ctx.req_id, None)
         if state.request_level_tiers:
             new = set(out.keys_to_store)
             ready = []
@@ -459,6 +487,20 @@ class TieringCoordinator:
                 self._send_to_request_level_tiers(state, ready)
         self._signal_events()
         return out
+
+    def storable_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` :meth:`prepare_store` can take now: their new keys fit in
+        the primary's free slots plus the idle blocks that are not among them (those the store
+        protects)."""
+        primary = self.primary
+        room = primary.num_free + primary.num_evictable
+        for i, key in enumerate(keys):
+            block = primary.get_block(key)
+            if block is None or block.ref_cnt == 0:  # a new slot, or a protected idle block
+                room -= 1
+                if room < 0:
+                    return i
+        return len(keys)
 
     def _send_to_request_level_tiers(self, state: _RequestState, keys: list[bytes]) -> None:
         for idx in sorted(state.request_level_tiers):
@@ -491,7 +533,7 @@ class TieringCoordinator:
         observed finished. A failed store never cascades. A report for a write that passed
         ``pending_write_timeout_s`` is dropped (the key was already made a miss).
         """
-        keys = [k for k in keys if self._finish_write(k, None, ctx.req_id)]
+        keys = [k for k in keys if self.writes.finish(k, None, ctx.req_id)]
         self.primary.complete_store(keys, ctx, success=success)
         if success and keys:
             ready = [
@@ -561,7 +603,7 @@ class TieringCoordinator:
                 del pinned[key]
             self.primary.complete_load(drop, ctx)
 
-    def promotion_source(self, key: bytes) -> str | None:
+    def _promotion_source(self, key: bytes) -> str | None:
         """Name of the tier a queued or in-flight promotion of ``key`` reads from, or None."""
         for idx, per_req in enumerate(self._pending_promotions):
             if any(key in p.keys for p in per_req.values()):
@@ -601,17 +643,13 @@ class TieringCoordinator:
             or any(t.has_pending_work() for t in self.tiers)
         )
 
-    def job_futures(
-        self, *, promotions: bool | None = None, keys: Collection[bytes] | None = None
-    ) -> list[asyncio.Future[JobResult]]:
+    def job_futures(self, *, promotions: bool | None = None) -> list[asyncio.Future[JobResult]]:
         """Futures of the jobs in flight: all, only promotions or only cascades
-        (``promotions``), optionally only those moving one of ``keys``."""
-        wanted = None if keys is None else set(keys)
+        (``promotions``)."""
         return [
             fut
             for job, _, fut in self._jobs.values()
-            if (promotions is None or job.is_promotion == promotions)
-            and (wanted is None or not wanted.isdisjoint(job.keys))
+            if promotions is None or job.is_promotion == promotions
         ]
 
     # -- events and stats ---------------------------------------------------------------------
@@ -665,21 +703,12 @@ class TieringCoordinator:
             state.lookup_pins.clear()
             state.awaiting_writes.clear()
             self._maybe_finalize(state)
-        self._writes.clear()
         # Rows an abandoned thread or an expired writer may still touch stay out of use.
-        for job_id, (keys, blocks) in list(self._abandoned.items()):
-            pinned = [b for k in keys if (b := self.primary.get_block(k)) is not None]
-            self._abandoned[job_id] = ([], [*blocks, *pinned])
-        reserved = [b for _, blocks in self._abandoned.values() for b in blocks]
-        reserved += [block for entries in self._expired.values() for _, _, block in entries]
-        self.primary.reset_cache(reserved=reserved)
+        self.primary.reset_cache(reserved=self.writes.reset())
         self._polled_this_step = False
 
     def shutdown(self) -> None:
-        """Stop every tier actor (queued jobs fail, running ones finish); idempotent. The first
-        call saves the primary policy's learned state to :attr:`policy_state_path` (if any)."""
-        if not self._closed and self.policy_state_path is not None:
-            save_policy_state(self.primary.policy, self.policy_state_path)
+        """Stop every tier actor (queued jobs fail, running ones finish); idempotent."""
         self._closed = True
         for tier in self.tiers:
             tier.close()

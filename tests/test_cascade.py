@@ -5,6 +5,7 @@ the defect it keeps fixed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -133,6 +134,40 @@ async def test_store_from_a_block_a_load_is_filling_waits_for_the_load() -> None
         assert_idle(cascade)
 
 
+async def test_a_load_waits_for_another_requests_store_in_flight() -> None:
+    """A key another request is still storing GPU→CPU counts as found, and the load waits for
+    that store (the coordinator's write_futures) instead of calling the key unreadable: the
+    reader gets the writer's bytes."""
+    async with kc.open_cascade(config(cpu_blocks=4, gpu_blocks=4)) as cascade:
+        writer, reader = kc.ReqContext("writer"), kc.ReqContext("reader")
+        cascade.device.kv[0] = 7
+        store = asyncio.ensure_future(cascade.store([key(1)], writer, [0]))
+        while not cascade.coordinator.writes.writers([key(1)]):
+            await asyncio.sleep(0)  # until the store has its slot and copies
+        found = await cascade.lookup_prefix([key(1)], reader)  # no await inside: still copying
+        assert (found.keys, found.tiers, store.done()) == ([key(1)], ["cpu"], False)
+        loaded = await cascade.load(found.keys, reader, [2])
+        assert (loaded.loaded, loaded.failed_keys) == (1, [])
+        assert cascade.device.kv[2].tolist() == [7] * 64
+        assert (await store).stored == [key(1)]
+        await cascade.wait_cascades()
+        cascade.finish_request(reader)
+        cascade.finish_request(writer)
+        assert_idle(cascade)
+
+
+async def test_open_cascade_may_exit_in_another_task() -> None:
+    """The lifecycle's task group lives in its own task: entered in one task and exited in
+    another (a fixture, a state machine's steps), the cascade stops every actor."""
+    stack = contextlib.AsyncExitStack()
+    cascade = await asyncio.ensure_future(stack.enter_async_context(kc.open_cascade(config(2))))
+    assert [t.get_name() for t in asyncio.all_tasks() if t.get_name() == "kvcascade-memory"]
+    await asyncio.ensure_future(stack.aclose())
+    assert [t for t in asyncio.all_tasks() if t.get_name().startswith("kvcascade-")] == []
+    with pytest.raises(kc.TierUnavailableError, match="closed"):
+        await cascade.lookup_prefix([key(1)], kc.ReqContext("late"))
+
+
 class UnreachableTier(kc.MemoryTier):
     """A memory tier whose start-up fails, as an S3 tier's does when its endpoint is down."""
 
@@ -141,13 +176,17 @@ class UnreachableTier(kc.MemoryTier):
 
 
 async def test_failed_start_of_a_second_tier_stops_the_first() -> None:
-    """Defect 10: when the second tier fails to start, start_tier_actors (and so open_cascade)
+    """Defect 10: when the second tier fails to start, serve_coordinator (and so open_cascade)
     raises with the first tier's actor already stopped and closed, not left running."""
     host = kc.HostBuffer(4, 64)
     try:
         first = kc.MemoryTier(host)
+        coord = kc.TieringCoordinator(
+            kc.CPUOffloadingManager(4), [first, UnreachableTier(host, name="down")]
+        )
         with pytest.raises(kc.TierUnavailableError, match="not reachable"):
-            await kc.start_tier_actors([first, UnreachableTier(host, name="down")])
+            async with kc.serve_coordinator(coord):
+                raise AssertionError("must not start")
         assert [t for t in asyncio.all_tasks() if t.get_name().startswith("kvcascade-")] == []
         with pytest.raises(kc.TierUnavailableError):
             first.submit_store(kc.TransferJob(0, [key(1)], [0], False))

@@ -219,7 +219,7 @@ async def test_finished_load_does_not_wait_behind_a_slow_store() -> None:
     host = kc.HostBuffer(4, 4096)
     device = DeviceTier(4, host, device="cuda")
     torch.cuda._sleep(1)  # warm-up: compile the sleep kernel
-    with torch.cuda.stream(device._streams["store"]):
+    with torch.cuda.stream(device._copier._streams["store"]):
         torch.cuda._sleep(int(1e10))  # ~5 s of GPU cycles, only on the store stream
     store = asyncio.ensure_future(device.store([0], [0]))
     await asyncio.sleep(0.2)  # the store's end event reaches its bridge first

@@ -15,8 +15,8 @@ from kvcascade.integrations._loop import LoopThread
 LIVENESS_S = 10.0  # a join bound that detects a caller blocked forever, not a speed limit
 
 
-def _build() -> tuple[kc.TieringCoordinator, list[kc.SecondaryTier]]:
-    return kc.TieringCoordinator(kc.CPUOffloadingManager(8), []), []
+def _build() -> kc.TieringCoordinator:
+    return kc.TieringCoordinator(kc.CPUOffloadingManager(8), [])
 
 
 def _echo(value: int) -> int:
@@ -120,3 +120,31 @@ def test_call_on_never_finishing_coroutine_released_by_close() -> None:
     assert isinstance(exc, kc.TierUnavailableError)
     assert "stopped before this call finished" in str(exc)
     assert cancelled.is_set()
+
+
+class _UnreachableTier(kc.MemoryTier):
+    """A memory tier whose start-up fails, as an S3 tier's does when its endpoint is down."""
+
+    async def _startup(self) -> None:
+        raise kc.TierUnavailableError("endpoint not reachable")
+
+
+def test_a_failed_tier_start_is_raised_with_nothing_left_running() -> None:
+    """The loop thread runs the same lifecycle as ``open_cascade``: a tier whose start fails
+    makes the constructor raise that error, after the tier started before it was stopped and
+    closed and the loop thread ended."""
+    host = kc.HostBuffer(4, 64)
+    first = kc.MemoryTier(host)
+    before = set(threading.enumerate())
+    try:
+        with pytest.raises(kc.TierUnavailableError, match="not reachable"):
+            LoopThread(
+                lambda: kc.TieringCoordinator(
+                    kc.CPUOffloadingManager(4), [first, _UnreachableTier(host, name="down")]
+                )
+            )
+        assert [t.name for t in set(threading.enumerate()) - before] == []
+        with pytest.raises(kc.TierUnavailableError):
+            first.submit_store(kc.TransferJob(0, [kc.make_offload_key(b"k" * 8, 0)], [0], False))
+    finally:
+        host.close()

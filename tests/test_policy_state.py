@@ -68,7 +68,7 @@ async def test_learned_statistics_survive_a_restart(tmp_path: Path) -> None:
         assert learned["pooled"]["reads"] > 0  # later turns re-read earlier prompts
         assert {tuple(c[:4]) for c in learned["classes"]} >= {(0, 0, 1, 2), (0, 0, 2, 1)}
     path = _state_file(tmp_path)
-    assert cascade.coordinator.policy_state_path == path
+    assert policy_state_path(cascade.primary.policy, cascade.tiers) == path
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")] == []
     assert json.loads(path.read_text()) == learned
@@ -137,7 +137,7 @@ async def test_a_fifo_in_place_of_the_state_file_is_ignored_not_opened(
 
 async def test_a_policy_without_state_writes_no_file(tmp_path: Path) -> None:
     async with kc.open_cascade(_config(tmp_path, policy="lru")) as cascade:
-        assert cascade.coordinator.policy_state_path is None
+        assert policy_state_path(cascade.primary.policy, cascade.tiers) is None
         await _converse(cascade, conversations=2, turns=2)
     namespace = _state_file(tmp_path).parent
     assert sorted(p.name for p in namespace.iterdir()) == ["config.json"]
@@ -148,7 +148,6 @@ async def test_no_fs_tier_no_state_file(tmp_path: Path) -> None:
         block_bytes=64, gpu_blocks=16, cpu_blocks=4, eviction_policy="turn_aware"
     )
     async with kc.open_cascade(config) as cascade:
-        assert cascade.coordinator.policy_state_path is None
         assert policy_state_path(cascade.primary.policy, cascade.tiers) is None
 
 

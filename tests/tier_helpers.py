@@ -12,7 +12,6 @@ import numpy as np
 
 import kvcascade as kc
 from kvcascade import LookupResult as R
-from kvcascade.cascade import start_tier_actors
 
 BLOCK = 5000  # not a multiple of 4096: exercises the padded payload
 _job_ids = itertools.count()
@@ -59,13 +58,7 @@ async def lookups(tier: kc.SecondaryTier, keys: list[bytes], ctx: kc.ReqContext)
 
 @contextlib.asynccontextmanager
 async def running(*tiers: kc.SecondaryTier) -> AsyncIterator[None]:
-    """Run the tiers' actors (as ``open_cascade`` does); drain and stop them on exit."""
-    actors = await start_tier_actors(tiers)
-    try:
+    """Run the tiers' actors (the lifecycle ``open_cascade`` uses); drain and stop them on
+    exit."""
+    async with kc.serve_coordinator(kc.TieringCoordinator(kc.CPUOffloadingManager(1), tiers)):
         yield
-    finally:
-        for tier in tiers:
-            await tier.drain()
-            tier.close()
-        for actor in actors:
-            await actor

@@ -10,8 +10,15 @@ Every portal call returns or raises within a bound once :meth:`LoopThread.close`
 (``docs/vllm.md``): each call's future is tracked until its caller has it, calls made after
 close begins raise at once, and the futures still unresolved when the loop stops — a callback
 queued after the loop's last iteration (asyncio drops it), a coroutine that never finished —
-are failed then. (anyio's ``BlockingPortal`` queues its calls with the same unguarded
-``call_soon_threadsafe`` and waits without a bound, so it would not close that window.)
+are failed then.
+
+Why not anyio's ``BlockingPortal``: it runs every call as a new task in its task group
+(``BlockingPortal.call`` → ``start_task_soon``), 2.7–3.7× the round trip of
+:meth:`LoopThread.call` for a plain function (``benchmarks/loop_portal.py``), paid once per key
+by the scheduler's lookups; and a call that passed its running check before the portal stopped
+waits on ``run_sync_from_thread`` (``anyio/_backends/_asyncio.py``: ``call_soon_threadsafe``,
+then ``Future.result()`` with no bound), the window this portal closes. The coordinator's
+lifecycle itself is anyio's (:func:`kvcascade._lifecycle.serve_coordinator`).
 """
 
 from __future__ import annotations
@@ -24,9 +31,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from .._errors import TierUnavailableError
-from ..cascade import SHUTDOWN_TIMEOUT_S, start_tier_actors, stop_tier_actors
+from .._lifecycle import SHUTDOWN_TIMEOUT_S, serve_coordinator
 from ..coordinator import TieringCoordinator
-from ..tiers.base import SecondaryTier
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +44,16 @@ class LoopThread:
     """A daemon thread running an event loop that owns a coordinator and its tier actors.
 
     Args:
-        build: called on the loop thread; returns the coordinator and its secondary tiers
-            (whose actors are then started, as ``open_cascade`` does).
+        build: called on the loop thread; returns the coordinator, which then runs in
+            :func:`kvcascade._lifecycle.serve_coordinator` (as in ``open_cascade``) until
+            :meth:`close`.
 
     Raises:
         Exception: whatever ``build`` or a tier actor's start raised (re-raised here).
         TimeoutError: the loop did not become ready within ``START_TIMEOUT_S`` seconds.
     """
 
-    def __init__(self, build: Callable[[], tuple[TieringCoordinator, list[SecondaryTier]]]):
+    def __init__(self, build: Callable[[], TieringCoordinator]):
         self._build = build
         self._loop = asyncio.new_event_loop()
         self._ready: concurrent.futures.Future[TieringCoordinator] = concurrent.futures.Future()
@@ -74,18 +81,16 @@ class LoopThread:
             self._loop.close()
 
     async def _serve(self) -> None:
-        actors: list[asyncio.Task[None]] = []
-        coordinator: TieringCoordinator | None = None
         try:
-            coordinator, tiers = self._build()
-            actors = await start_tier_actors(tiers)
+            coordinator = self._build()
+            async with serve_coordinator(coordinator):
+                self._ready.set_result(coordinator)
+                await self._stop.wait()
         except BaseException as exc:
-            self._ready.set_exception(exc)
-            await stop_tier_actors(coordinator, actors)
-            return
-        self._ready.set_result(coordinator)
-        await self._stop.wait()
-        await stop_tier_actors(coordinator, actors)
+            if self._ready.done():
+                log.error("kvcascade: the loop's coordinator stopped with %r", exc)
+            else:
+                self._ready.set_exception(exc)
 
     def _fail_pending(self) -> None:
         """On the loop thread, once the loop has stopped: refuse new calls and fail every
@@ -188,7 +193,7 @@ class LoopThread:
 
 async def _cancel_remaining_tasks() -> None:
     """Cancel the tasks still on the loop once ``_serve`` has returned (portal coroutines that
-    never finished, actors ``stop_tier_actors`` cancelled) and wait for them, at most
+    never finished, actors the lifecycle cancelled) and wait for them, at most
     ``SHUTDOWN_TIMEOUT_S`` seconds — ``asyncio.run``'s teardown, bounded."""
     tasks = asyncio.all_tasks() - {asyncio.current_task()}
     for task in tasks:

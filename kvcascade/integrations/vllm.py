@@ -26,13 +26,14 @@ from __future__ import annotations
 import concurrent.futures
 import concurrent.futures.thread  # registers its exit hook before ours (see _close_at_exit)
 import contextlib
+import functools
 import hashlib
 import json
 import logging
 import math
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -66,10 +67,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without vLLM
     ) from exc
 
 from .._config import CascadeConfig
+from .._lifecycle import build_coordinator
 from .._types import CPULoadStoreSpec, ReqContext
 from ..coordinator import TieringCoordinator
-from ..index.cpu import CPUOffloadingManager
-from ..ops import batch_copy, plan_chunk_copies, plan_descriptors
+from ..ops import plan_chunk_copies, plan_descriptors
 from ..policies.registry import resolve_cache_policy
 from ..scheduler import (
     GroupSpec,
@@ -81,8 +82,7 @@ from ..scheduler import (
     TransferSpec,
 )
 from ..tiers._file_mapper import default_identity
-from ..tiers.base import SecondaryTier
-from ..tiers.registry import TierContext, create_secondary_tier
+from ..tiers.device import DeviceCopier
 from ..tiers.shm import SharedOffloadRegion, region_geometry
 from ..views import block_views
 from ._loop import LoopThread
@@ -441,34 +441,21 @@ class _PortalManager:
         self._loop.run(self._coord.reset_cache)
 
 
-def _build_tiers(setup: _Setup, region: SharedOffloadRegion) -> Any:
-    """The coordinator factory run on the loop thread (primary over the region + tiers)."""
+def _build_tiers(setup: _Setup, region: SharedOffloadRegion) -> Callable[[], TieringCoordinator]:
+    """The coordinator factory run on the loop thread: the primary tier over the region and the
+    secondary tiers (:func:`kvcascade._lifecycle.build_coordinator`, as ``Cascade`` builds).
+
+    Raises:
+        ConfigError: a bad ``kv_connector_extra_config`` value (raised here, before the loop
+            thread starts).
+    """
     config = CascadeConfig.from_extra_config(
         setup.extra,
         cpu_blocks=setup.num_cpu_blocks,
         block_bytes=setup.block_bytes,
         model_name=setup.model_name,
     )
-
-    def build() -> tuple[TieringCoordinator, list[SecondaryTier]]:
-        ctx = TierContext(region, setup.identity)  # type: ignore[arg-type]
-        tiers: list[SecondaryTier] = []
-        try:
-            for tier_cfg in config.secondary_tiers:
-                tiers.append(create_secondary_tier(tier_cfg, ctx))
-        except BaseException:
-            for tier in tiers:
-                tier.close()
-            raise
-        primary = CPUOffloadingManager(
-            config.num_cpu_blocks, config.eviction_policy, enable_events=config.enable_events
-        )
-        coord = TieringCoordinator(
-            primary, tiers, pending_write_timeout_s=config.pending_write_timeout_s
-        )
-        return coord, tiers
-
-    return build
+    return functools.partial(build_coordinator, config, region, setup.identity)  # type: ignore[arg-type]
 
 
 class _SchedulerSide:
@@ -567,7 +554,7 @@ class _WorkerSide:
         self._running: list[_Running] = []
         self._meta = KVCascadeWorkerMetadata()
         self.load_failed_blocks: set[int] = set()
-        self._streams: dict[bool, torch.cuda.Stream] = {}
+        self._copier = DeviceCopier(self.device)
         _LOCAL_WORKERS[setup.instance_id] = self
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -598,20 +585,19 @@ class _WorkerSide:
                     cpu = self.region.create_next_worker_view(page * k)
                     views.append(_LayerViews(gpu, cpu, page))
             self.groups.append(views)
-        if self.device.type == "cuda":  # one side stream per direction (one copy thread each)
-            self._streams = {store: torch.cuda.Stream(self.device) for store in (True, False)}
+        self._copier = DeviceCopier(self.device)  # on CUDA a side stream per direction
 
     # copies (run on the copy threads) ------------------------------------------------------------
     def _copy(
         self, spec: TransferSpec, store: bool, ready: torch.cuda.Event | None
     ) -> tuple[int, float]:
-        """Copy one job's blocks of every layer (spec §5.3 plan) as one batch of descriptors.
+        """Copy one job's blocks of every layer (spec §5.3 plan) as one batch of descriptors,
+        through the copy core shared with ``DeviceTier``
+        (:meth:`kvcascade.tiers.device.DeviceCopier.launch`).
 
         On CUDA the batch is enqueued on this direction's side stream after ``ready`` (recorded
-        on the compute stream when the job was submitted: a store must not read KV still being
-        written, a load must not race pending writes into its blocks), and this copy thread —
-        never the forward pass — waits for it. Loads let the driver read the host rows out of
-        stream order (spec §5.4 "ANY"). Returns (bytes, seconds)."""
+        on the compute stream when the job was submitted), and this copy thread — never the
+        forward pass — waits for it. Returns (bytes, seconds)."""
         if spec.cpu is None:
             raise RuntimeError("load job without a source (prepare_load failed)")
         start = time.perf_counter()
@@ -633,33 +619,15 @@ class _WorkerSide:
         if not parts:
             return 0, time.perf_counter() - start
         src, dst, sizes = (torch.cat(column) for column in zip(*parts))
-        # wait_for_build=False: until the kernels are built (in the background) the copies use
-        # batch_copy's fallbacks — a compile never holds up a store (issue #15).
-        if ready is None:
-            total = batch_copy(src, dst, sizes, wait_for_build=False)
-        else:
-            stream = self._streams[store]
-            stream.wait_event(ready)
-            total = batch_copy(
-                src,
-                dst,
-                sizes,
-                stream=stream,
-                src_access_any=not store,
-                wait_for_build=False,
-                host_side="dst" if store else "src",
-            )
-            done = torch.cuda.Event(blocking=True)  # the waiting thread sleeps in the driver
-            done.record(stream)
-            done.synchronize()
+        direction = "store" if store else "load"
+        total, end = self._copier.launch(direction, (src, dst, sizes), ready)
+        if end is not None:
+            end.synchronize()  # the waiting thread sleeps in the driver
         return total, time.perf_counter() - start
 
     # step hooks --------------------------------------------------------------------------------
     def _submit(self, job_id: int, spec: TransferSpec, store: bool) -> None:
-        ready = None
-        if self.device.type == "cuda":  # a marker on the compute stream; nothing waits here
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
+        ready = self._copier.mark()
         pool = self._stores if store else self._loads
         fut = pool.submit(self._copy, spec, store, ready)
         self._running.append(_Running(job_id, None if store else spec.req_id, fut))

@@ -115,6 +115,75 @@ def _resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:
         fut.set_exception(error)
 
 
+class DeviceCopier:
+    """The GPU↔CPU copy core shared by :class:`DeviceTier` and the vLLM connector's worker side
+    (``kvcascade/integrations/vllm.py``): one side stream per direction on CUDA, and one batched
+    copy of a transfer's descriptors on it (module docstring).
+
+    Args:
+        device: the device of the KV cache; on the CPU there are no streams and a copy is
+            synchronous on the calling thread.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._streams = {d: torch.cuda.Stream(device) for d in DIRECTIONS} if self.cuda else {}
+
+    def mark(self) -> torch.cuda.Event | None:
+        """On the thread that submits a transfer: an event on its current (compute) stream that
+        the copy waits for — a store must not read KV still being written, a load must not race
+        pending writes into its blocks. None on the CPU."""
+        if not self.cuda:
+            return None
+        ready = torch.cuda.Event()  # a marker; nothing waits for it here
+        ready.record(torch.cuda.current_stream(self.device))
+        return ready
+
+    def launch(
+        self,
+        direction: str,
+        descriptors: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        ready: torch.cuda.Event | None,
+        triton_page: int | None = None,
+    ) -> tuple[int, torch.cuda.Event | None]:
+        """On the copy thread: copy ``descriptors`` (``(src_ptr, dst_ptr, size)`` int64 columns of
+        :func:`kvcascade.ops.plan.plan_descriptors`) for ``direction`` (``"store"`` GPU→CPU,
+        ``"load"`` CPU→GPU). Returns (bytes, end event).
+
+        On CUDA the copy is enqueued on the direction's side stream after ``ready`` (the same
+        stream orders it after the previous transfer of that direction) — with Triton when
+        ``triton_page`` (the uniform page, bytes) is given, else :func:`kvcascade.ops.batch_copy`,
+        loads reading the host rows in any order — and the end event (``blocking=True``: waiting
+        for it sleeps) is recorded after it. On the CPU the copy is done when this returns and
+        the end event is None. Never waits for the kernel build (the fallbacks copy meanwhile,
+        issue #15).
+
+        Raises:
+            RuntimeError / ValueError: the copy failed (bad descriptors, a CUDA error).
+        """
+        if not self.cuda:
+            return batch_copy(*descriptors, wait_for_build=False), None
+        load = direction == "load"
+        stream = self._streams[direction]
+        with torch.cuda.device(self.device):
+            stream.wait_event(ready)
+            if triton_page is not None:
+                with torch.cuda.stream(stream):  # many small pages: Triton (docs/device.md)
+                    nbytes = triton_batch_copy(*descriptors, triton_page, self.device)
+            else:
+                nbytes = batch_copy(
+                    *descriptors,
+                    stream=stream,
+                    src_access_any=load,
+                    wait_for_build=False,
+                    host_side="src" if load else "dst",
+                )
+            end = torch.cuda.Event(blocking=True)
+            end.record(stream)
+        return nbytes, end
+
+
 class DeviceTier:
     """Owner of the device KV cache and its transfers to and from the primary tier.
 
@@ -157,15 +226,14 @@ class DeviceTier:
                 f"= {num_blocks * self.page_bytes:,} B on {self.device} ({exc}); lower "
                 "gpu_blocks or block_bytes"
             ) from exc
-        self._cuda = self.device.type == "cuda"
         self._pools = {
             d: concurrent.futures.ThreadPoolExecutor(1, f"kvcascade-{d}") for d in DIRECTIONS
         }
         self._bridges: dict[str, EventBridge] = {}
-        if self._cuda:
+        self._copier = DeviceCopier(self.device)
+        if self._copier.cuda:
             _build.extension_if_ready()  # start building the kernels now, off the hot path
             host.pin()
-            self._streams = {d: torch.cuda.Stream(self.device) for d in DIRECTIONS}
             self._bridges = {d: EventBridge(f"kvcascade-{d}-events") for d in DIRECTIONS}
         self._closed = False
         self.bytes_stored = 0
@@ -218,17 +286,12 @@ class DeviceTier:
             descriptors = plan_descriptors(
                 plan, self.kv, self.host.tensor(), self.page_bytes, store=direction == "store"
             )
-            loop = asyncio.get_running_loop()
-            pool = self._pools[direction]
-            if self._cuda:
-                ready = torch.cuda.Event()  # a marker on the compute stream; nothing waits here
-                ready.record(torch.cuda.current_stream(self.device))
-                nbytes, end = await loop.run_in_executor(
-                    pool, self._cuda_launch, direction, descriptors, ready
-                )
+            ready = self._copier.mark()
+            nbytes, end = await asyncio.get_running_loop().run_in_executor(
+                self._pools[direction], self._launch, direction, descriptors, ready
+            )
+            if end is not None:
                 await self._bridges[direction].wait(end)
-            else:
-                nbytes = await loop.run_in_executor(pool, _copy, descriptors)
         except (RuntimeError, ValueError) as exc:
             return DeviceTransfer(False, error=f"{type(exc).__name__}: {exc}")
         if direction == "store":
@@ -237,34 +300,21 @@ class DeviceTier:
             self.bytes_loaded += nbytes
         return DeviceTransfer(True, nbytes, time.perf_counter() - start)
 
-    def _cuda_launch(
+    def _launch(
         self,
         direction: str,
         descriptors: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        ready: torch.cuda.Event,
-    ) -> tuple[int, torch.cuda.Event]:
-        """Worker thread: enqueue one transfer on ``direction``'s side stream after ``ready``;
-        returns (bytes, end event)."""
-        load = direction == "load"
-        stream = self._streams[direction]
-        host = self.host.tensor()
-        src, dst = (host, self.kv) if load else (self.kv, host)
-        with torch.cuda.device(self.device):
-            stream.wait_event(ready)
+        ready: torch.cuda.Event | None,
+    ) -> tuple[int, torch.cuda.Event | None]:
+        """Worker thread: one transfer through the copy core, with Triton for many small pages
+        (:func:`kvcascade.ops.swap.select_kernel`); returns (bytes, end event or None)."""
+        triton_page = None
+        if self._copier.cuda:
+            host = self.host.tensor()
+            src, dst = (host, self.kv) if direction == "load" else (self.kv, host)
             if select_kernel(src, dst, len(descriptors[0]), wait_for_build=False) == "triton":
-                with torch.cuda.stream(stream):  # many small pages: Triton (docs/device.md)
-                    nbytes = triton_batch_copy(*descriptors, self.page_bytes, self.device)
-            else:
-                nbytes = batch_copy(
-                    *descriptors,
-                    stream=stream,
-                    src_access_any=load,
-                    wait_for_build=False,
-                    host_side="src" if load else "dst",
-                )
-            end = torch.cuda.Event(blocking=True)
-            end.record(stream)
-        return nbytes, end
+                triton_page = self.page_bytes
+        return self._copier.launch(direction, descriptors, ready, triton_page)
 
     def close(self) -> None:
         """Finish running copies, stop the worker threads and the event bridges; idempotent."""
@@ -273,8 +323,3 @@ class DeviceTier:
             pool.shutdown(wait=True)
         for bridge in self._bridges.values():
             bridge.close()
-
-
-def _copy(descriptors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> int:
-    # Never wait for the compiler on the serving path: copy with the fallback until it is built.
-    return batch_copy(*descriptors, wait_for_build=False)
