@@ -78,6 +78,8 @@ class LoopThread:
         finally:
             self._fail_pending()
             self._loop.run_until_complete(_cancel_remaining_tasks())
+            # asyncio.to_thread (a tier's thread shutdown) started the default executor.
+            self._loop.run_until_complete(self._loop.shutdown_default_executor())
             self._loop.close()
 
     async def _serve(self) -> None:
