@@ -478,7 +478,8 @@ def _succeeded(copy: asyncio.Future[DeviceTransfer]) -> bool:
 async def start_tier_actors(tiers: Sequence[SecondaryTier]) -> list[asyncio.Task[None]]:
     """Start each tier's actor (:meth:`SecondaryTier.run`) and wait until it is ready.
 
-    Returns the actor tasks, for :func:`stop_tier_actors`.
+    Returns the actor tasks, for :func:`stop_tier_actors`. Once every tier is ready, one INFO
+    line lists the primary tier's capacity and each tier with its place (:func:`_tiers_line`).
 
     Raises:
         whatever an actor's start-up raised, after the actors already started were stopped
@@ -503,7 +504,37 @@ async def start_tier_actors(tiers: Sequence[SecondaryTier]) -> list[asyncio.Task
             tier.close()
         await asyncio.shield(_join_actors(actors))
         raise
+    log.info("kvcascade: %s", _tiers_line(tiers))
     return actors
+
+
+_PLACE_ATTRS = ("root", "bucket", "endpoint", "url", "prefix", "max_bytes")
+"""Tier attributes that say where a tier keeps its blocks and how much it may keep (fs:
+``root``, ``max_bytes``; s3: ``bucket``, ``endpoint``, ``prefix``, ``max_bytes``; valkey:
+``url``, ``prefix``), in the order :func:`_tiers_line` shows them."""
+
+
+def _tiers_line(tiers: Sequence[SecondaryTier]) -> str:
+    """``cpu N blocks × B bytes = T bytes; <name> (<type>): root=…, max_bytes=…; …`` (the
+    primary tier from the tiers' shared host buffer; ``max_bytes=None`` shows as unbounded)."""
+    if not tiers:
+        return "no secondary tiers (GPU and CPU only)"
+    host = tiers[0].host
+    parts = [
+        f"cpu {host.num_blocks:,} blocks × {host.block_bytes:,} bytes = "
+        f"{host.num_blocks * host.block_bytes:,} bytes"
+    ]
+    for tier in tiers:
+        places = [
+            f"{attr}={'unbounded' if value is None else value}"
+            for attr in _PLACE_ATTRS
+            if hasattr(tier, attr) and (value := getattr(tier, attr)) != ""
+        ]
+        kind = type(tier).__name__
+        parts.append(
+            f"{tier.name} ({kind}): {', '.join(places)}" if places else f"{tier.name} ({kind})"
+        )
+    return "tiers ready: " + "; ".join(parts)
 
 
 async def _join_actors(actors: Sequence[asyncio.Task[None]]) -> None:

@@ -260,3 +260,22 @@ async def test_invalidate_removes_keys_from_every_tier(tmp_path) -> None:
         cascade.finish_request(probe)
         assert (await cascade.invalidate(keys)).removed == {"cpu": 1, "memory": 0, "fs": 0}
         assert_idle(cascade)
+
+
+async def test_start_up_logs_one_line_with_tiers_capacities_and_paths(tmp_path, caplog) -> None:
+    """Issue #21 item 10: once the tiers are ready, one INFO line gives the primary tier's
+    capacity and each tier with its directory and bound (never a secret)."""
+    caplog.set_level(logging.INFO, logger="kvcascade.cascade")
+    tiers = [{"type": "memory"}, {"type": "fs", "root_dir": str(tmp_path), "max_bytes": 10**6}]
+    cfg = kc.CascadeConfig(block_bytes=64, gpu_blocks=8, cpu_blocks=16, secondary_tiers=tiers)
+    async with kc.open_cascade(cfg):
+        lines = [r.getMessage() for r in caplog.records if "tiers ready" in r.getMessage()]
+    assert lines == [
+        "kvcascade: tiers ready: cpu 16 blocks × 64 bytes = 1,024 bytes; memory (MemoryTier); "
+        f"fs (FileSystemTier): root={tmp_path}, max_bytes=1000000"
+    ]
+    caplog.clear()
+    cfg = kc.CascadeConfig(block_bytes=64, gpu_blocks=8, cpu_blocks=16, secondary_tiers=[])
+    async with kc.open_cascade(cfg):
+        pass
+    assert "kvcascade: no secondary tiers (GPU and CPU only)" in caplog.messages
