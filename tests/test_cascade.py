@@ -195,13 +195,13 @@ async def test_a_failed_device_load_is_counted() -> None:
         cascade.device.kv[1] = 1
         await cascade.store([key(1)], ctx, [1])
         await cascade.wait_cascades()
-        kv = cascade.device.kv
-        cascade.device.kv = torch.zeros((4, 32), dtype=torch.int8)  # rows too short: no plan
+        views = cascade.device.views
+        cascade.device.views = [torch.zeros((4, 32), dtype=torch.int8)]  # too short: no plan
         try:
             found = await cascade.lookup_prefix([key(1)], ctx)
             result = await cascade.load(found.keys, ctx, [2])
         finally:
-            cascade.device.kv = kv
+            cascade.device.views = views
         assert result.loaded == 0 and result.failed_keys == [key(1)]
         assert cascade.counters["load_failed_blocks"] == 1
         cascade.finish_request(ctx)

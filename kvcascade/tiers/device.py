@@ -179,12 +179,6 @@ class DeviceTier:
                 ) from exc
             self.views = [self.kv]
         self._num_blocks = num_blocks
-        # (view, byte offset of its pages in a primary chunk, its page bytes)
-        self._layout: list[tuple[torch.Tensor, int, int]] = []
-        offset = 0
-        for view in self.views:
-            self._layout.append((view, offset, view.shape[1]))
-            offset += blocks_per_chunk * view.shape[1]
         self._cuda = self.device.type == "cuda"
         self._pools = {
             d: concurrent.futures.ThreadPoolExecutor(1, f"kvcascade-{d}") for d in DIRECTIONS
@@ -204,15 +198,31 @@ class DeviceTier:
         """GPU blocks in the cache."""
         return self._num_blocks
 
+    def _layout(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """Per view: the view, its columns of the host rows (its k pages of each chunk), and
+        its page bytes.
+
+        Raises:
+            ValueError: the views' pages no longer add up to the GPU page (the transfer fails).
+        """
+        host = self.host.tensor()
+        k = self.blocks_per_chunk
+        out, offset = [], 0
+        for view in self.views:
+            page = view.shape[1]
+            out.append((view, host[:, offset : offset + k * page], page))
+            offset += k * page
+        if offset != k * self.page_bytes:
+            raise ValueError(f"views hold {offset // k} bytes per block, not {self.page_bytes}")
+        return out
+
     def _descriptors(
         self, plan: Sequence[Any], store: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Copy descriptors of ``plan`` over every view and its columns of the host rows."""
-        host = self.host.tensor()
-        k = self.blocks_per_chunk
         parts = [
-            plan_descriptors(plan, view, host[:, offset : offset + k * page], page, store=store)
-            for view, offset, page in self._layout
+            plan_descriptors(plan, view, columns, page, store=store)
+            for view, columns, page in self._layout()
         ]
         if len(parts) == 1:
             return parts[0]
@@ -289,8 +299,7 @@ class DeviceTier:
         load = direction == "load"
         stream = self._streams[direction]
         # the kernel is chosen on the view of the largest page and its host columns
-        view, offset, page = max(self._layout, key=lambda entry: entry[2])
-        host = self.host.tensor()[:, offset : offset + self.blocks_per_chunk * page]
+        view, host, page = max(self._layout(), key=lambda entry: entry[2])
         src, dst = (host, view) if load else (view, host)
         with torch.cuda.device(self.device):
             stream.wait_event(ready)
