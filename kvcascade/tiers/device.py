@@ -8,7 +8,7 @@ sub-blocks after one another). Without views the tier allocates one int8 tensor
 ``(num_gpu_blocks, gpu_page_bytes)`` itself (CUDA when available, else the CPU standing in for
 device memory): the replay's stand-in for an engine. A primary-tier chunk holds
 ``blocks_per_chunk`` (k) GPU blocks; a transfer pairs GPU blocks with CPU sub-blocks by the copy
-plan of spec §5.3 (:func:`kvcascade.ops.plan_chunk_copies`) and moves them, every view at once,
+plan (docs/device.md; :func:`kvcascade.ops.plan_chunk_copies`) and moves them, every view at once,
 with one batched copy (:func:`kvcascade.ops.batch_copy`). The device tier never talks to a
 secondary tier.
 
