@@ -96,6 +96,12 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--eviction-policy", help="CPU tier eviction policy (lru, …)")
     rp.add_argument("--config", help="JSON object (or @file) of kv_connector_extra_config keys")
     rp.add_argument("--json", dest="json_path", help="write the report as JSON to this path")
+    rp.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write a PNG: hit ratio over the run per tier, bytes moved per link (needs "
+        "matplotlib: pip install 'kvcascade[plot]')",
+    )
     rp.add_argument("--quiet", action="store_true", help="no progress bar")
     rp.add_argument(
         "--compare-policies",
@@ -238,33 +244,77 @@ def build_replay_config(
     )
 
 
+def _row(label: str, value: str) -> str:
+    return f"{label:<34}{value:>16}"
+
+
+def _describe_tier(tier: dict[str, Any]) -> str:
+    """``name (type): key=value, …`` of a (redacted) tier entry."""
+    name = tier.get("name", tier["type"])
+    kind = f" ({tier['type']})" if name != tier["type"] else ""
+    rest = ", ".join(f"{k}={v}" for k, v in tier.items() if k not in ("type", "name"))
+    return f"{name}{kind}: {rest}" if rest else f"{name}{kind}"
+
+
 def format_report(report: ReplayReport) -> str:
-    """The replay's closing table."""
+    """The replay's closing table: the configuration, then hits, latency, bytes, and per tier
+    what was dropped, failed or caught corrupt; blocks served wrong on a line of their own."""
+    cfg = report.config
+    config_lines = [
+        _row("block bytes", f"{cfg['block_bytes']:,}"),
+        _row("gpu blocks", f"{cfg['gpu_blocks']:,}"),
+        _row("cpu blocks", f"{cfg['cpu_blocks']:,}"),
+        _row("cpu bytes", f"{cfg['cpu_blocks'] * cfg['block_bytes']:,}"),
+        _row("eviction policy", str(cfg["eviction_policy"])),
+        *(f"tier {_describe_tier(t)}" for t in cfg["secondary_tiers"]),
+    ]
     lines = [
-        f"{'requests':<28}{report.requests:>16,}",
-        f"{'block instances':<28}{report.block_instances:>16,}",
+        _row("requests", f"{report.requests:,}"),
+        _row("block instances", f"{report.block_instances:,}"),
     ]
     for tier, n in report.hit_blocks.items():
-        lines.append(f"{'hit blocks: ' + tier:<28}{n:>16,}")
-    lines.append(f"{'prefix hit ratio':<28}{report.prefix_hit_ratio:>16.4f}")
+        lines.append(_row("hit blocks: " + tier, f"{n:,}"))
+    lines.append(_row("prefix hit ratio", f"{report.prefix_hit_ratio:.4f}"))
+    for name, ms in report.latency_percentiles_ms().items():
+        lines.append(_row(f"lookup+load {name} (ms)", f"{ms:.3f}"))
     for direction, n in report.bytes.items():
-        lines.append(f"{'bytes ' + direction.replace('_to_', ' → '):<28}{n:>16,}")
-    lines.append(f"{'verified blocks':<28}{report.verified_blocks:>16,}")
-    lines.append(f"{'corrupt blocks':<28}{report.corrupt_blocks:>16,}")
+        lines.append(_row("bytes " + direction.replace("_to_", " → "), f"{n:,}"))
+    lines.append(_row("verified blocks", f"{report.verified_blocks:,}"))
     for tier, n in report.evictions.items():
-        lines.append(f"{'evictions: ' + tier:<28}{n:>16,}")
-    lines.append(f"{'dropped stores (blocks)':<28}{report.dropped_store_blocks:>16,}")
-    lines.append(f"{'wall time (s)':<28}{report.wall_s:>16.2f}")
-    width = max(len(line) for line in lines)
-    return "\n".join(["kvcascade replay", "-" * width, *lines])
+        lines.append(_row("evictions: " + tier, f"{n:,}"))
+    lines.append(_row("cpu: dropped stores (blocks)", f"{report.dropped_store_blocks:,}"))
+    for tier, rows in report.tiers.items():
+        lines.append(_row(f"{tier}: dropped stores (blocks)", f"{rows['dropped_store_blocks']:,}"))
+        lines.append(_row(f"{tier}: failed jobs", f"{rows['failed_jobs']:,}"))
+        lines.append(_row(f"{tier}: corrupt blocks (caught)", f"{rows['corrupt_blocks']:,}"))
+    lines.append(_row("wall time (s)", f"{report.wall_s:.2f}"))
+    lines.append(_row("served wrong (blocks)", f"{report.mismatched_blocks:,}"))
+    width = max(len(line) for line in [*config_lines, *lines])
+    rule = "-" * width
+    return "\n".join(["kvcascade replay", rule, *config_lines, rule, *lines])
 
 
-def _check_writable(path: str | None) -> None:
+def _check_writable(path: str | None, flag: str = "--json") -> None:
     if path is None:
         return
+    if Path(path).is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory")
     parent = Path(path).resolve().parent
     if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise ConfigError(f"--json {path}: directory {parent} does not exist or is not writable")
+        raise ConfigError(f"{flag} {path}: directory {parent} does not exist or is not writable")
+
+
+def _progress(
+    stack: contextlib.ExitStack, args: argparse.Namespace, total: int, desc: str
+) -> Callable[[int], object] | None:
+    """A tqdm progress bar on stderr (closed with ``stack``) when stderr is a terminal and
+    ``--quiet`` was not given; its ``update``, or None."""
+    if args.quiet or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    bar = stack.enter_context(tqdm(total=total, unit="req", desc=desc, file=sys.stderr))
+    return bar.update
 
 
 _COMPARE_ONLY = {"capacities": "--capacities", "hints": "--hints", "seed": "--seed"}
@@ -276,27 +326,28 @@ def _replay(args: argparse.Namespace) -> int:
     if given:
         raise ConfigError(f"{', '.join(given)}: only meaningful with --compare-policies")
     _check_writable(args.json_path)
-    from ._replay import run_replay, temporary_fs_root
+    _check_writable(args.plot, "--plot")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401 - checked before the run, used by write_plot
+        except ImportError:
+            raise ConfigError("--plot needs matplotlib: pip install 'kvcascade[plot]'") from None
+    from ._replay import run_replay, temporary_fs_root, write_plot
     from ._trace import bundled_trace, read_trace
 
     with contextlib.ExitStack() as stack:
         config = build_replay_config(args, lambda: stack.enter_context(temporary_fs_root()))
         trace = read_trace(args.trace or bundled_trace(), limit=args.requests)
-        progress = None
-        if not args.quiet and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            bar = stack.enter_context(
-                tqdm(total=len(trace), unit="req", desc="replay", file=sys.stderr)
-            )
-            progress = bar.update
-        report = run_replay(trace, config, progress)
+        report = run_replay(trace, config, _progress(stack, args, len(trace), "replay"))
     print(format_report(report))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    if args.plot:
+        write_plot(report, args.plot)
     if report.mismatched_blocks:
         print(
-            f"kvcascade: error: {report.mismatched_blocks} loaded blocks did not match",
+            f"kvcascade: error: {report.mismatched_blocks} loaded blocks were served wrong "
+            "(did not match the bytes stored)",
             file=sys.stderr,
         )
         return 1
@@ -304,6 +355,9 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    if args.plot:
+        raise ConfigError("--plot: only meaningful without --compare-policies")
+    _check_writable(args.json_path)
     from ._compare import compare, format_comparison
     from ._trace import bundled_trace, read_trace
 
@@ -320,8 +374,14 @@ def _compare(args: argparse.Namespace) -> int:
     if not policies or not fractions:
         raise ConfigError("--compare-policies and --capacities need at least one entry each")
     trace = read_trace(args.trace or bundled_trace(), limit=args.requests)
+    runs = len(trace) * len(policies) * len(fractions)
     try:
-        result = compare(trace, policies, fractions, not args.no_free_rules, args.hints, args.seed)
+        with contextlib.ExitStack() as stack:
+            progress = _progress(stack, args, runs, "compare")
+            free_rules = not args.no_free_rules
+            result = compare(
+                trace, policies, fractions, free_rules, args.hints, args.seed, progress
+            )
     except ValueError as exc:
         if isinstance(exc, KVCascadeError):
             raise

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import anyio
@@ -132,6 +132,7 @@ async def _serve(
             except Exception as exc:
                 ready.set_exception(exc)
             else:
+                log.info("kvcascade: %s", _tiers_line(coordinator.tiers))
                 ready.set_result(None)
                 await stop.wait()
             finally:
@@ -150,6 +151,35 @@ async def _serve(
     finally:
         if not ready.done():  # cancelled while starting (the loop is going away)
             ready.set_exception(TierUnavailableError("the cascade stopped while starting"))
+
+
+_PLACE_ATTRS = ("root", "bucket", "endpoint", "url", "prefix", "max_bytes")
+"""Tier attributes that say where a tier keeps its blocks and how much it may keep (fs:
+``root``, ``max_bytes``; s3: ``bucket``, ``endpoint``, ``prefix``, ``max_bytes``; valkey:
+``url``, ``prefix``), in the order :func:`_tiers_line` shows them."""
+
+
+def _tiers_line(tiers: Sequence[SecondaryTier]) -> str:
+    """``cpu N blocks × B bytes = T bytes; <name> (<type>): root=…, max_bytes=…; …`` (the
+    primary tier from the tiers' shared host buffer; ``max_bytes=None`` shows as unbounded)."""
+    if not tiers:
+        return "no secondary tiers (GPU and CPU only)"
+    host = tiers[0].host
+    parts = [
+        f"cpu {host.num_blocks:,} blocks × {host.block_bytes:,} bytes = "
+        f"{host.num_blocks * host.block_bytes:,} bytes"
+    ]
+    for tier in tiers:
+        places = [
+            f"{attr}={'unbounded' if value is None else value}"
+            for attr in _PLACE_ATTRS
+            if hasattr(tier, attr) and (value := getattr(tier, attr)) != ""
+        ]
+        kind = type(tier).__name__
+        parts.append(
+            f"{tier.name} ({kind}): {', '.join(places)}" if places else f"{tier.name} ({kind})"
+        )
+    return "tiers ready: " + "; ".join(parts)
 
 
 async def _actor(

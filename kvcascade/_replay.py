@@ -5,7 +5,13 @@ serves the leading blocks it holds; the cascade finds the longest further prefix
 primary tier or a secondary tier, promotes and loads it into GPU blocks; the remaining blocks are
 "prefilled" with bytes that are a deterministic function of (block id, byte offset); the new
 blocks are then stored through the cascade. Every block loaded back into the GPU is compared byte
-for byte with the expected pattern: a mismatch is counted as corrupt and recomputed, never a hit.
+for byte with the expected pattern: a mismatch is counted as served wrong and recomputed, never a
+hit.
+
+The report keeps, per tier, what went wrong (:func:`_tier_failures`), the time each request
+waited for its cached prefix (``lookup_prefix`` + ``load``, the cascade's part of a request's
+time to first token) and, per request, the hits per tier and the bytes moved on each link so far
+(:func:`write_plot` draws them).
 """
 
 from __future__ import annotations
@@ -99,7 +105,16 @@ class GPUPrefixCache:
 
 @dataclass
 class ReplayReport:
-    """What a replay measured. ``bytes`` and ``hit_blocks`` are keyed by tier / direction."""
+    """What a replay measured. ``bytes`` and ``hit_blocks`` are keyed by tier / direction.
+
+    ``corrupt_blocks``: blocks a tier's integrity check caught (deleted, recomputed; the sum of
+    ``tiers[name]["corrupt_blocks"]``). ``mismatched_blocks``: blocks loaded into the GPU with
+    wrong bytes (served wrong; the replay exits non-zero). ``dropped_store_blocks``: GPU → CPU
+    stores the primary tier dropped. ``tiers``: per secondary tier, :func:`_tier_failures`.
+    ``load_latency_s``: per request, seconds of ``lookup_prefix`` + ``load``. ``hit_series``
+    (per tier) and ``instance_series``: per request, hit blocks and block instances;
+    ``bytes_series``: per link, bytes moved up to the end of each request.
+    """
 
     requests: int = 0
     block_instances: int = 0
@@ -110,16 +125,30 @@ class ReplayReport:
     mismatched_blocks: int = 0
     evictions: dict[str, int] = field(default_factory=dict)
     dropped_store_blocks: int = 0
+    tiers: dict[str, dict[str, int]] = field(default_factory=dict)
     wall_s: float = 0.0
     config: dict[str, Any] = field(default_factory=dict)
+    load_latency_s: list[float] = field(default_factory=list)
+    hit_series: dict[str, list[int]] = field(default_factory=dict)
+    instance_series: list[int] = field(default_factory=list)
+    bytes_series: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def prefix_hit_ratio(self) -> float:
         """All hit block instances / block instances."""
         return sum(self.hit_blocks.values()) / self.block_instances if self.block_instances else 0.0
 
+    def latency_percentiles_ms(self) -> dict[str, float]:
+        """p50 / p90 / p99 / max of :attr:`load_latency_s`, milliseconds (empty: no requests)."""
+        if not self.load_latency_s:
+            return {}
+        ms = np.asarray(self.load_latency_s) * 1e3
+        p50, p90, p99 = np.percentile(ms, [50, 90, 99])
+        return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "max": float(ms.max())}
+
     def to_json(self) -> dict[str, Any]:
-        """The report as a JSON-ready dict (the ``--json`` file)."""
+        """The report as a JSON-ready dict (the ``--json`` file; the per-request series are left
+        out)."""
         return {
             "requests": self.requests,
             "block_instances": self.block_instances,
@@ -131,6 +160,8 @@ class ReplayReport:
             "mismatched_blocks": self.mismatched_blocks,
             "evictions": dict(self.evictions),
             "dropped_store_blocks": self.dropped_store_blocks,
+            "tiers": {name: dict(rows) for name, rows in self.tiers.items()},
+            "load_latency_ms": self.latency_percentiles_ms(),
             "wall_s": self.wall_s,
             "config": self.config,
         }
@@ -163,6 +194,7 @@ async def replay(
         "cpu": 0,
         **{t.get("name", t["type"]): 0 for t in config.secondary_tiers},
     }
+    report.hit_series = {tier: [] for tier in report.hit_blocks}
     start = time.perf_counter()
     async with open_cascade(config) as cascade:  # allocates (and checks) the device first
         gpu = GPUPrefixCache(config.gpu_blocks)
@@ -184,19 +216,28 @@ async def _step(
     cascade.coordinator.on_new_request(ctx)
     report.requests += 1
     report.block_instances += len(ids)
+    hits = dict.fromkeys(report.hit_blocks, 0)
 
     g = gpu.leading_hits(ids)
     gpu.touch(ids[:g])
-    report.hit_blocks["gpu"] += g
+    hits["gpu"] = g
     cascade.touch(keys, ctx)
+    started = time.perf_counter()
     found = await cascade.lookup_prefix(keys[g:], ctx)
     gpu_ids = gpu.allocate(ids[g:], protected=ids[:g])
     loaded = 0
+    result = None
     if found.num_hits:
         result = await cascade.load(found.keys, ctx, gpu_ids[: found.num_hits])
+    report.load_latency_s.append(time.perf_counter() - started)
+    if result is not None:
         loaded = _verify(cascade, ids[g : g + result.loaded], gpu_ids[: result.loaded], report)
         for tier in found.tiers[:loaded]:
-            report.hit_blocks[tier] += 1
+            hits[tier] += 1
+    for tier, n in hits.items():
+        report.hit_blocks[tier] += n
+        report.hit_series[tier].append(n)
+    report.instance_series.append(len(ids))
     new_ids = ids[g + loaded :]
     new_gpu = gpu_ids[loaded:]
     if new_ids:
@@ -213,6 +254,8 @@ async def _step(
             await cascade.store(new_keys[i : i + piece], ctx, new_gpu[i : i + piece])
     cascade.finish_request(ctx)
     await cascade.wait_cascades()
+    for link, n in _link_bytes(cascade).items():
+        report.bytes_series.setdefault(link, []).append(n)
 
 
 def _verify(
@@ -226,21 +269,55 @@ def _verify(
     ok = np.all(got.numpy().view(np.uint8) == expected_bytes(ids, kv.shape[1]), axis=1)
     good = len(ids) if ok.all() else int(np.argmin(ok))
     report.verified_blocks += good
-    bad = int((~ok).sum())
-    report.mismatched_blocks += bad
-    report.corrupt_blocks += bad
+    report.mismatched_blocks += int((~ok).sum())
     return good
 
 
-def _collect(cascade: Cascade, gpu: GPUPrefixCache, report: ReplayReport) -> None:
+def _link_bytes(cascade: Cascade) -> dict[str, int]:
+    """Bytes moved so far on each link: ``gpu_to_cpu``, ``cpu_to_<tier>``, ``<tier>_to_cpu``,
+    ``cpu_to_gpu``."""
     device = cascade.device
-    report.bytes = {"gpu_to_cpu": device.bytes_stored, "cpu_to_gpu": device.bytes_loaded}
-    report.evictions = {"gpu": gpu.evictions, "cpu": cascade.primary.total_evictions}
+    out = {"gpu_to_cpu": device.bytes_stored}
     for tier in cascade.tiers:
-        report.bytes[f"cpu_to_{tier.name}"] = tier.counters["store_bytes"]
-        report.bytes[f"{tier.name}_to_cpu"] = tier.counters["load_bytes"]
+        out[f"cpu_to_{tier.name}"] = tier.counters["store_bytes"]
+        out[f"{tier.name}_to_cpu"] = tier.counters["load_bytes"]
+    out["cpu_to_gpu"] = device.bytes_loaded
+    return out
+
+
+def _tier_failures(cascade: Cascade, tier_idx: int) -> dict[str, int]:
+    """What went wrong with secondary tier ``tier_idx`` during the run.
+
+    * ``dropped_store_blocks``: cascade blocks never written to it — refused by back-pressure
+      (:mod:`kvcascade.backpressure`, ``dropped_by_backpressure``) or by the tier itself while
+      it was down or full (its ``counters["store_dropped_blocks"]``);
+    * ``failed_store_jobs`` / ``failed_load_jobs``: jobs that failed (stores refused by a full
+      queue included), ``timed_out_jobs``: jobs past their deadline, ``failed_jobs``: all of
+      them and the jobs that raised an unexpected error;
+    * ``corrupt_blocks``: blocks its integrity check caught (deleted, recomputed).
+    """
+    tier = cascade.tiers[tier_idx]
+    c = tier.counters
+    backpressure = int(cascade.coordinator.metrics.value("cascade_dropped_blocks", tier_idx))
+    failed_stores = c["store_failures"] + c["store_rejected"]
+    return {
+        "dropped_store_blocks": backpressure + c["store_dropped_blocks"],
+        "dropped_by_backpressure": backpressure,
+        "failed_jobs": failed_stores + c["load_failures"] + c["timeouts"] + c["errors"],
+        "failed_store_jobs": failed_stores,
+        "failed_load_jobs": c["load_failures"],
+        "timed_out_jobs": c["timeouts"],
+        "corrupt_blocks": c["corrupt_blocks"],
+    }
+
+
+def _collect(cascade: Cascade, gpu: GPUPrefixCache, report: ReplayReport) -> None:
+    report.bytes = _link_bytes(cascade)
+    report.evictions = {"gpu": gpu.evictions, "cpu": cascade.primary.total_evictions}
+    for idx, tier in enumerate(cascade.tiers):
         report.evictions[tier.name] = tier.counters["evictions"]
-        report.corrupt_blocks += tier.counters["corrupt_blocks"]
+        report.tiers[tier.name] = _tier_failures(cascade, idx)
+    report.corrupt_blocks = sum(rows["corrupt_blocks"] for rows in report.tiers.values())
     report.dropped_store_blocks = cascade.counters["store_dropped_blocks"]
 
 
@@ -252,6 +329,43 @@ def _describe(config: CascadeConfig) -> dict[str, Any]:
         "eviction_policy": config.eviction_policy,
         "secondary_tiers": [redact(t) for t in config.secondary_tiers],
     }
+
+
+def write_plot(report: ReplayReport, path: str) -> None:
+    """Write a PNG of ``report`` to ``path``: top, the hit ratio of each tier over the run
+    (hit blocks / block instances over a sliding window of ``max(1, requests // 50)``
+    requests); bottom, the MiB moved on each link up to each request.
+
+    Needs matplotlib (the ``plot`` extra: ``pip install 'kvcascade[plot]'``); drawn on a
+    :class:`matplotlib.figure.Figure` of its own (no pyplot state, no display needed).
+
+    Raises:
+        ImportError: matplotlib is not installed.
+        OSError: ``path`` cannot be written.
+    """
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 7), layout="constrained")
+    hit_ax, bytes_ax = fig.subplots(2, 1, sharex=True)
+    window = max(1, report.requests // 50)
+    kernel = np.ones(window)
+    instances = np.convolve(report.instance_series, kernel, mode="valid")
+    x = np.arange(window, report.requests + 1)
+    for tier, series in report.hit_series.items():
+        hits = np.convolve(series, kernel, mode="valid")
+        ratio = np.divide(hits, instances, out=np.zeros_like(hits), where=instances > 0)
+        hit_ax.plot(x, ratio, label=tier)
+    hit_ax.set_ylabel(f"hit ratio ({window}-request window)")
+    hit_ax.set_ylim(0, 1)
+    hit_ax.legend(loc="upper left")
+    requests = np.arange(1, report.requests + 1)
+    for link, series in report.bytes_series.items():
+        bytes_ax.plot(requests, np.asarray(series) / (1 << 20), label=link.replace("_to_", " → "))
+    bytes_ax.set_xlabel("request")
+    bytes_ax.set_ylabel("MiB moved (cumulative)")
+    bytes_ax.legend(loc="upper left")
+    fig.suptitle(f"kvcascade replay: {report.requests:,} requests")
+    fig.savefig(path, format="png")
 
 
 _TMP_PREFIX = "kvcascade-replay-"

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from ._config import CascadeConfig
 from ._errors import TierUnavailableError
@@ -76,15 +77,29 @@ class Cascade:
 
     Use :func:`open_cascade`; constructing directly does not start the actors.
 
+    Args:
+        config: tiers and sizes.
+        kv_views: the engine's own KV cache, as :func:`kvcascade.canonical_views` of its KV
+            tensors (any layout that handles, CUDA or CPU; ``gpu_blocks`` blocks, pages adding
+            up to ``block_bytes``): loads and stores copy straight to and from them. None: the
+            device tier allocates a stand-in ``device.kv`` int8 ``(gpu_blocks, block_bytes)``
+            (the replay's engine).
+
     Attributes:
         host: the primary tier's buffer (``num_cpu_blocks × row_bytes`` bytes).
         primary: the primary tier's bookkeeping.
-        device: the device tier (the KV cache ``(gpu_blocks, block_bytes)`` int8).
+        device: the device tier (``device.views``: the KV views copied to and from).
         tiers: secondary tiers in cascade order.
         coordinator: the synchronous hooks over all of them.
+
+    Raises:
+        ConfigError: a bad configuration value, or ``kv_views`` that do not fit it
+            (:class:`~kvcascade.tiers.device.DeviceTier`).
     """
 
-    def __init__(self, config: CascadeConfig) -> None:
+    def __init__(
+        self, config: CascadeConfig, *, kv_views: Sequence[torch.Tensor] | None = None
+    ) -> None:
         self.config = config
         self._closed = False
         self.host = HostBuffer(config.num_cpu_blocks, config.block_bytes)
@@ -93,7 +108,7 @@ class Cascade:
             cache_salt=config.cache_salt,
             block_bytes=config.block_bytes,
         )
-        self.device = DeviceTier(config.gpu_blocks, self.host)
+        self.device = DeviceTier(config.gpu_blocks, self.host, views=kv_views)
         try:
             self.coordinator: TieringCoordinator = build_coordinator(config, self.host, identity)
         except BaseException:
@@ -325,7 +340,7 @@ class Cascade:
             )
         _check_request(keys, ctx, gpu_ids)
         if gpu_ids is not None and len(gpu_ids):
-            n = self.device.kv.shape[0]
+            n = self.device.num_blocks
             listed = [int(i) for i in gpu_ids]
             bad = [i for i in listed if not 0 <= i < n]
             if bad:
@@ -398,8 +413,11 @@ def _succeeded(copy: asyncio.Future[DeviceTransfer]) -> bool:
 
 
 @contextlib.asynccontextmanager
-async def open_cascade(config: CascadeConfig) -> AsyncIterator[Cascade]:
-    """Build a :class:`Cascade`, run its tier actors, and stop them when the block exits.
+async def open_cascade(
+    config: CascadeConfig, *, kv_views: Sequence[torch.Tensor] | None = None
+) -> AsyncIterator[Cascade]:
+    """Build a :class:`Cascade` (``kv_views``: the engine's KV cache, see there), run its tier
+    actors, and stop them when the block exits.
 
     On exit (normal or by an exception, which propagates unchanged) every tier is drained
     (bounded by ``SHUTDOWN_TIMEOUT_S`` seconds), its actor stops, its threads are joined, and
@@ -410,7 +428,7 @@ async def open_cascade(config: CascadeConfig) -> AsyncIterator[Cascade]:
         ConfigError: a bad configuration value.
         OSError: a tier's directory cannot be created.
     """
-    cascade = Cascade(config)
+    cascade = Cascade(config, kv_views=kv_views)
     try:
         async with serve_coordinator(cascade.coordinator):
             cascade._opened = True

@@ -234,13 +234,13 @@ async def test_a_failed_device_load_is_counted() -> None:
         cascade.device.kv[1] = 1
         await cascade.store([key(1)], ctx, [1])
         await cascade.wait_cascades()
-        kv = cascade.device.kv
-        cascade.device.kv = torch.zeros((4, 32), dtype=torch.int8)  # rows too short: no plan
+        views = cascade.device.views
+        cascade.device.views = [torch.zeros((4, 32), dtype=torch.int8)]  # too short: no plan
         try:
             found = await cascade.lookup_prefix([key(1)], ctx)
             result = await cascade.load(found.keys, ctx, [2])
         finally:
-            cascade.device.kv = kv
+            cascade.device.views = views
         assert result.loaded == 0 and result.failed_keys == [key(1)]
         assert cascade.counters["load_failed_blocks"] == 1
         cascade.finish_request(ctx)
@@ -299,3 +299,99 @@ async def test_invalidate_removes_keys_from_every_tier(tmp_path) -> None:
         cascade.finish_request(probe)
         assert (await cascade.invalidate(keys)).removed == {"cpu": 1, "memory": 0, "fs": 0}
         assert_idle(cascade)
+
+
+async def test_start_up_logs_one_line_with_tiers_capacities_and_paths(tmp_path, caplog) -> None:
+    """Issue #21 item 10: once the tiers are ready, one INFO line gives the primary tier's
+    capacity and each tier with its directory and bound (never a secret)."""
+    caplog.set_level(logging.INFO, logger="kvcascade._lifecycle")
+    tiers = [{"type": "memory"}, {"type": "fs", "root_dir": str(tmp_path), "max_bytes": 10**6}]
+    cfg = kc.CascadeConfig(block_bytes=64, gpu_blocks=8, cpu_blocks=16, secondary_tiers=tiers)
+    async with kc.open_cascade(cfg):
+        lines = [r.getMessage() for r in caplog.records if "tiers ready" in r.getMessage()]
+    assert lines == [
+        "kvcascade: tiers ready: cpu 16 blocks × 64 bytes = 1,024 bytes; memory (MemoryTier); "
+        f"fs (FileSystemTier): root={tmp_path}, max_bytes=1000000"
+    ]
+    caplog.clear()
+    cfg = kc.CascadeConfig(block_bytes=64, gpu_blocks=8, cpu_blocks=16, secondary_tiers=[])
+    async with kc.open_cascade(cfg):
+        pass
+    assert "kvcascade: no secondary tiers (GPU and CPU only)" in caplog.messages
+
+
+def engine_kv(blocks: int) -> dict[str, torch.Tensor]:
+    """Two layers of an engine's KV cache: FlashAttention's layout ``(2, blocks, block_size,
+    heads, head_dim)`` in float16 (256 bytes per layer and K or V per block) and vLLM's CPU
+    backend's ``(blocks, heads, block_size, 2·head_dim)`` in bfloat16 (512 bytes)."""
+    return {
+        "layer0": torch.zeros((2, blocks, 4, 2, 16), dtype=torch.float16),
+        "layer1": torch.zeros((blocks, 2, 4, 32), dtype=torch.bfloat16),
+    }
+
+
+async def test_the_engines_own_kv_tensors_are_copied_to_and_from(tmp_path) -> None:
+    """Issue #21 item 1: a Cascade on the engine's KV tensors (two layouts, canonical views)
+    stores from them and loads back into them — via the fs tier after the CPU tier evicted —
+    byte-exact in every layer, and touches no other block; no stand-in tensor is allocated."""
+    kv = engine_kv(16)
+    views = kc.canonical_views({"layer0": kv["layer0"]}, "flash_attn")
+    views += kc.canonical_views({"layer1": kv["layer1"]}, "cpu")
+    assert [v.shape[1] for v in views] == [256, 256, 512]
+    tiers = [{"type": "fs", "root_dir": str(tmp_path)}]
+    cfg = kc.CascadeConfig(block_bytes=1024, gpu_blocks=16, cpu_blocks=2, secondary_tiers=tiers)
+    gen = torch.Generator().manual_seed(5)
+    for t in kv.values():
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    before = {name: t.clone() for name, t in kv.items()}
+    keys = [key(i) for i in range(4)]
+    async with kc.open_cascade(cfg, kv_views=views) as cascade:
+        assert cascade.device.kv is None and cascade.device.views == views
+        writer = kc.ReqContext("w")
+        assert (await cascade.store(keys, writer, [0, 1, 2, 3])).dropped == 2  # 2 CPU slots
+        assert (await cascade.store(keys[2:], writer, [2, 3])).stored == keys[2:]
+        await cascade.wait_cascades()
+        cascade.finish_request(writer)
+        filler = kc.ReqContext("filler")  # push them out of the CPU tier: only fs holds them
+        for i in range(2):
+            await cascade.store([key(100 + i)], filler, [7])
+            await cascade.wait_cascades()
+        cascade.finish_request(filler)
+        ctx = kc.ReqContext("r")
+        got = 0
+        while got < 4:  # two CPU slots: the prefix comes back in parts
+            found = await cascade.lookup_prefix(keys[got:], ctx)
+            assert found.tiers == ["fs"] * found.num_hits and found.num_hits
+            loaded = await cascade.load(
+                found.keys, ctx, list(range(8 + got, 8 + got + found.num_hits))
+            )
+            got += loaded.loaded
+        cascade.finish_request(ctx)
+    k0, l1 = kv["layer0"], kv["layer1"]
+    assert torch.equal(k0[:, 8:12], before["layer0"][:, 0:4])
+    assert torch.equal(l1[8:12], before["layer1"][0:4])
+    untouched = [b for b in range(16) if b not in range(8, 12)]
+    assert torch.equal(k0[:, untouched], before["layer0"][:, untouched])
+    assert torch.equal(l1[untouched], before["layer1"][untouched])
+
+
+@pytest.mark.parametrize(
+    ("views", "message"),
+    [
+        ([], "kv_views is empty"),
+        ([torch.zeros((16, 1024), dtype=torch.float16)], r"kv_views\[0\] must be an int8"),
+        (
+            [torch.zeros((8, 1024), dtype=torch.int8)],
+            r"kv_views\[0\] has 8 blocks, gpu_blocks is 16",
+        ),
+        (
+            [torch.zeros((16, 512), dtype=torch.int8)],
+            "hold 512 bytes per block, the GPU page is 1024",
+        ),
+        ([torch.zeros((1024, 16), dtype=torch.int8).t()], "not contiguous"),
+    ],
+)
+def test_kv_views_that_do_not_fit_are_refused_naming_the_view(views, message) -> None:
+    cfg = kc.CascadeConfig(block_bytes=1024, gpu_blocks=16, cpu_blocks=2, secondary_tiers=[])
+    with pytest.raises(kc.ConfigError, match=message):
+        kc.Cascade(cfg, kv_views=views)

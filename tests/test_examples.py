@@ -3,6 +3,7 @@ from tests/test_vllm_e2e.py's environment only, so it is only syntax-checked her
 
 from __future__ import annotations
 
+import asyncio
 import os
 import py_compile
 import subprocess
@@ -57,3 +58,65 @@ def test_shared_pool_example(server: valkey_fixtures.Server) -> None:
     assert "engine A: prefilled and stored 8 blocks" in out
     assert "engine B: prefix of 8 blocks from ['valkey']" in out
     assert "engine B: loaded 8 of 8 blocks, byte-exact" in out
+
+
+async def test_aiohttp_server_example_serves_concurrent_requests(tmp_path: Path) -> None:
+    """Issue #21 item 1: examples/aiohttp_server.py, a real server process on 127.0.0.1 whose
+    handlers await the cascade on the engine's own KV tensor. Waves of eight concurrent prompts
+    of 2 blocks, the first block shared: wave A, four waves of other prompts (41 blocks for 32
+    CPU slots: A's own blocks, the least recent, go to the fs tier only), then A again: every
+    block found, the shared one in the CPU tier, A's own in the fs tier, each loaded block
+    equal to its prefill."""
+    import aiohttp
+
+    port = valkey_fixtures.free_port()
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, str(EXAMPLES / "aiohttp_server.py"), "--port", str(port)]
+    proc = subprocess.Popen(
+        [*cmd, "--fs-dir", str(tmp_path)],
+        env={**os.environ, "PYTHONPATH": path},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    shared = list(range(16))  # the block every prompt starts with
+    waves = [
+        [shared + [1000 * (8 * w + i + 1) + t for t in range(16)] for i in range(8)]
+        for w in range(5)
+    ]
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(600):  # the server imports torch and opens the cascade first
+                try:
+                    async with session.get(f"{base}/stats") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientConnectionError:
+                    await asyncio.sleep(0.2)
+            else:
+                raise AssertionError("the example server never answered")
+
+            async def one(tokens: list[int]) -> dict:
+                async with session.post(f"{base}/generate", json={"tokens": tokens}) as r:
+                    assert r.status == 200, await r.text()
+                    return await r.json()
+
+            async def wave(prompts: list[list[int]]) -> list[dict]:
+                return await asyncio.gather(*(one(p) for p in prompts))
+
+            for prompts in waves:
+                results = await wave(prompts)
+                assert all(r["blocks"] == 2 and r["verified"] == r["cached"] for r in results)
+            again = await wave(waves[0])
+            assert [(r["cached"], r["verified"]) for r in again] == [(2, 2)] * 8, again
+            assert [r["tiers"] for r in again] == [["cpu", "fs"]] * 8
+            async with session.get(f"{base}/stats") as resp:
+                assert (await resp.json())["served"] == 48
+            async with session.post(f"{base}/generate", json={"tokens": "x"}) as resp:
+                assert resp.status == 400
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    assert list(tmp_path.rglob("*.bin"))  # the fs tier kept the blocks

@@ -3,23 +3,28 @@
 from __future__ import annotations
 
 import collections
+import fcntl
 import json
 import os
+import pty
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from valkey_fixtures import Server, needs_server
 
 from kvcascade import CascadeConfig, TraceError
 from kvcascade._cli import main
-from kvcascade._replay import block_key, run_replay
+from kvcascade._replay import block_key, expected_bytes, run_replay
 from kvcascade._trace import TraceRequest, bundled_trace, read_trace
 from kvcascade.tiers._file_mapper import FileMapper, default_identity
-from kvcascade.tiers.fs import HEADER_BYTES, check_block
+from kvcascade.tiers.fs import HEADER_BYTES, check_block, encode_header
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +158,7 @@ def test_corrupt_block_file_is_detected_and_recomputed(
     path.write_bytes(bytes(data))
 
     second = run_replay(trace[1:2], config)  # a fresh cascade on the same directory
-    assert second.corrupt_blocks == 1
+    assert second.corrupt_blocks == second.tiers["fs"]["corrupt_blocks"] == 1
     assert second.mismatched_blocks == 0
     assert second.hit_blocks["fs"] == 0  # the corrupt first block ends the prefix
     repaired = path.read_bytes()  # recomputed and stored again
@@ -411,3 +416,187 @@ def test_config_values_are_checked_before_running(
     """vLLM's own key checks (spec §1.8, §1.9) and ours, before any work is done."""
     assert main(["replay", "--requests", "2", "--quiet", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def _rows(table: str) -> dict[str, str]:
+    """The report table's ``label  value`` rows (label: everything before the last field)."""
+    rows = {}
+    for line in table.splitlines():
+        label, _, value = line.rstrip().rpartition(" ")
+        if label.strip():
+            rows[label.strip()] = value
+    return rows
+
+
+def test_summary_echoes_the_configuration_and_reports_each_tier(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue #21 item 7: the table starts with the configuration (sizes, tiers and their
+    directories), gives the lookup+load latency percentiles, per tier dropped / failed /
+    corrupt rows, and "served wrong" on its own line; the JSON carries the same."""
+    out = tmp_path / "r.json"
+    fs_dir = tmp_path / "fs"
+    argv = ["replay", "--requests", "40", "--block-bytes", "128", "--cpu-blocks", "16"]
+    argv += ["--fs-dir", str(fs_dir), "--fs-max-bytes", "300000", "--json", str(out), "--quiet"]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    head, config, body = table.split("\n" + "-" * len(table.splitlines()[1]) + "\n")
+    assert head == "kvcascade replay"
+    assert f"tier fs: root_dir={fs_dir}, max_bytes=300000" in config.splitlines()
+    rows = _rows(config) | _rows(body)
+    assert rows["block bytes"] == "128" and rows["cpu blocks"] == "16"
+    assert rows["cpu bytes"] == "2,048" and rows["gpu blocks"] == "1,024"
+    report = json.loads(out.read_text())
+    assert rows["served wrong (blocks)"] == "0" == str(report["mismatched_blocks"])
+    assert body.splitlines()[-1].startswith("served wrong (blocks)")
+    fs = report["tiers"]["fs"]
+    assert fs == {
+        "dropped_store_blocks": 0,
+        "dropped_by_backpressure": 0,
+        "failed_jobs": 0,
+        "failed_store_jobs": 0,
+        "failed_load_jobs": 0,
+        "timed_out_jobs": 0,
+        "corrupt_blocks": 0,
+    }
+    for label in ("fs: dropped stores (blocks)", "fs: failed jobs", "fs: corrupt blocks (caught)"):
+        assert rows[label] == "0"
+    assert rows["cpu: dropped stores (blocks)"] == str(report["dropped_store_blocks"])
+    latency = report["load_latency_ms"]
+    assert list(latency) == ["p50", "p90", "p99", "max"]
+    assert 0 < latency["p50"] <= latency["p90"] <= latency["p99"] <= latency["max"]
+    assert rows["lookup+load p99 (ms)"] == f"{latency['p99']:.3f}"
+    assert report["config"]["secondary_tiers"] == [
+        {"type": "fs", "root_dir": str(fs_dir), "max_bytes": 300000}
+    ]
+
+
+def test_a_block_served_wrong_has_its_own_line_and_fails_the_run(
+    trace: list[TraceRequest], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A block file forged with a valid header and checksum but another block's bytes passes
+    the tier's check; the replay's byte comparison catches it: "served wrong" 1, corrupt
+    (caught) 0, exit status 1."""
+    fs_dir = tmp_path / "fs"
+    first = run_replay(
+        trace[:50],
+        CascadeConfig(
+            block_bytes=256,
+            gpu_blocks=256,
+            cpu_blocks=8,
+            secondary_tiers=[{"type": "fs", "root_dir": str(fs_dir)}],
+        ),
+    )
+    assert first.mismatched_blocks == 0
+    victim, donor = trace[1].hash_ids[0], trace[2].hash_ids[-1]
+    path = fs_dir / FileMapper(default_identity(block_bytes=256)).relative_path(block_key(victim))
+    payload = expected_bytes([donor], 256)[0].tobytes()
+    forged = bytearray(path.read_bytes())
+    encode_header(block_key(victim), payload, memoryview(forged)[:HEADER_BYTES])
+    forged[HEADER_BYTES : HEADER_BYTES + 256] = payload
+    path.write_bytes(bytes(forged))
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"hash_ids": list(trace[1].hash_ids)}) + "\n")
+    argv = ["replay", str(one), "--block-bytes", "256", "--gpu-blocks", "256"]
+    assert main([*argv, "--cpu-blocks", "8", "--fs-dir", str(fs_dir), "--quiet"]) == 1
+    captured = capsys.readouterr()
+    rows = _rows(captured.out)
+    assert rows["served wrong (blocks)"] == "1"
+    assert rows["fs: corrupt blocks (caught)"] == "0" and rows["hit blocks: fs"] == "0"
+    assert "1 loaded blocks were served wrong" in captured.err
+
+
+@needs_server
+def test_a_tier_killed_mid_run_shows_in_its_own_rows(
+    trace: list[TraceRequest], tmp_path: Path
+) -> None:
+    """Issue #21 item 7: the shared tier's server is killed after 40 of 120 requests; its
+    stores then fail and are dropped, and the report says so in the tier's rows (the primary
+    tier's own drop count stays what it was), with nothing served wrong."""
+    srv = Server(tmp_path / "valkey").start()
+    done = [0]
+
+    def progress(n: int) -> None:
+        done[0] += n
+        if done[0] == 40:
+            srv.kill()
+
+    try:
+        config = CascadeConfig(
+            block_bytes=256,
+            gpu_blocks=256,
+            cpu_blocks=64,
+            secondary_tiers=[{"type": "valkey", "url": srv.url, "io_timeout_s": 5.0}],
+        )
+        report = run_replay(trace[:120], config, progress)
+    finally:
+        srv.stop()
+    valkey = report.tiers["valkey"]
+    assert report.requests == 120 and report.mismatched_blocks == 0
+    assert valkey["failed_store_jobs"] > 0 and valkey["dropped_store_blocks"] > 0
+    assert valkey["failed_jobs"] >= valkey["failed_store_jobs"] + valkey["failed_load_jobs"]
+    assert valkey["corrupt_blocks"] == 0 and report.dropped_store_blocks == 0
+    assert report.bytes["cpu_to_valkey"] > 0  # it stored before it died
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    """``--plot PATH``: a PNG of the hit ratio per tier and the bytes per link (10 × 7 in at
+    matplotlib's default 100 dpi)."""
+    pytest.importorskip("matplotlib", reason="matplotlib not installed (kvcascade[plot])")
+    png = tmp_path / "replay.png"
+    argv = ["replay", "--requests", "30", "--block-bytes", "128", "--cpu-blocks", "16"]
+    assert main([*argv, "--fs-dir", str(tmp_path / "fs"), "--plot", str(png), "--quiet"]) == 0
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    assert struct.unpack(">II", data[16:24]) == (1000, 700)
+
+
+def test_plot_without_matplotlib_is_a_clear_error_before_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    argv = ["replay", "--requests", "2", "--fs-dir", str(tmp_path / "fs")]
+    assert main([*argv, "--plot", str(tmp_path / "p.png"), "--quiet"]) == 2
+    assert "--plot needs matplotlib: pip install 'kvcascade[plot]'" in capsys.readouterr().err
+    assert not (tmp_path / "fs").exists() and not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--plot", "/nonexistent-dir/p.png"], "--plot /nonexistent-dir/p.png: directory"),
+        (["--json", "/tmp"], "--json /tmp: is a directory"),
+        (["--compare-policies", "lru", "--plot", "p.png"], "--plot: only meaningful without"),
+    ],
+)
+def test_report_paths_are_checked_before_running(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["replay", "--requests", "2", "--quiet", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_compare_policies_shows_a_progress_bar_on_a_terminal() -> None:
+    """Issue #21 item 7: ``--compare-policies`` on a terminal draws a progress bar counting
+    every simulated request (requests × policies × capacities) on stderr, a real pty."""
+    parent, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # 120 columns
+    cmd = [sys.executable, "-m", "kvcascade._cli", "replay", "--compare-policies", "lru,arc"]
+    proc = subprocess.Popen(
+        [*cmd, "--requests", "50", "--capacities", "0.1"], stdout=subprocess.PIPE, stderr=child
+    )
+    os.close(child)
+    err = b""
+    while True:
+        try:
+            chunk = os.read(parent, 4096)
+        except OSError:  # the child closed its side
+            break
+        if not chunk:
+            break
+        err += chunk
+    out, _ = proc.communicate(timeout=120)
+    os.close(parent)
+    assert proc.returncode == 0, err
+    assert b"compare: 100%" in err and b"100/100" in err
+    assert b"prefix-level hit ratio" in out

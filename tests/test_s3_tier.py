@@ -305,14 +305,54 @@ async def test_startup_probe_names_bucket_endpoint_and_code(
     bucket, the endpoint and the S3 error code — never the secret."""
     caplog.set_level(logging.DEBUG, logger="kvcascade")
     dead = f"http://127.0.0.1:{free_port()}"
-    for endpoint, code in [(moto.endpoint, "404"), (dead, "EndpointConnectionError")]:
+    for endpoint, code, problem in [
+        (moto.endpoint, "404", "bucket does not exist"),
+        (dead, "EndpointConnectionError", "not reachable"),
+    ]:
         tier = make_tier(endpoint, "no-such-bucket", host, max_attempts=1)
         with pytest.raises(kc.TierUnavailableError) as info:
             await asyncio.wait_for(tier.run(), 20)
         text = str(info.value)
         assert "no-such-bucket" in text and endpoint in text and code in text
+        assert f"{endpoint}: {problem} (" in text
         assert SECRET_KEY not in text and tier._client is None
     assert SECRET_KEY not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("name", "credentials", "problem"),
+    [
+        ("no-such-bucket", True, ": bucket does not exist (s3 head_bucket: 404)"),
+        ("Bad/Name", True, ": invalid bucket name (S3 bucket names are 3-63 lowercase letters"),
+        ("bad_name", True, ": bucket does not exist, and its name is invalid (3-63 lowercase"),
+        ("kvcascade-any", False, ": no credentials: give access_key and secret_key, or set"),
+    ],
+)
+async def test_startup_error_says_what_is_wrong(
+    moto: MotoServer,
+    host: kc.HostBuffer,
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    credentials: bool,
+    problem: str,
+) -> None:
+    """Issue #21 item 10: against the real server the start-up error says "bucket does not
+    exist", "invalid bucket name" (botocore's check, or a 404 for a name outside S3's rules) or
+    "no credentials" (botocore's default chain finds none), not "not reachable"."""
+    for var in [v for v in os.environ if v.startswith("AWS_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    cfg = tier_config(moto.endpoint, name, max_attempts=1)
+    if not credentials:
+        del cfg["access_key"], cfg["secret_key"]
+    tier = s3_tier_from_config(host, FileMapper(default_identity()), cfg)
+    with pytest.raises(kc.TierUnavailableError) as info:
+        await asyncio.wait_for(tier.run(), 20)
+    text = str(info.value)
+    assert text.startswith(f"s3 tier 's3': bucket {name!r} at {moto.endpoint}{problem}")
+    assert "not reachable" not in text and SECRET_KEY not in text
 
 
 async def test_corrupt_object_is_deleted_and_counted(

@@ -30,7 +30,7 @@ from kvcascade.index.cpu import CPUOffloadingManager
 from kvcascade.metrics import TieringMetrics
 from kvcascade.tiers import valkey as valkey_module
 from kvcascade.tiers._file_mapper import FileMapper, default_identity
-from kvcascade.tiers.fs import HEADER_BYTES, FileSystemTier, file_size
+from kvcascade.tiers.fs import HEADER_BYTES, FileSystemTier, encode_header, file_size
 from kvcascade.tiers.registry import TierContext, create_secondary_tier
 from kvcascade.tiers.valkey import ValkeyTier, valkey_tier_from_config
 
@@ -53,6 +53,15 @@ def sync_client(url: str, cluster: bool = False) -> Any:
     if cluster:
         return redis.RedisCluster.from_url(url)
     return redis.Redis.from_url(url)
+
+
+def fs_block_file(k: bytes, payload: bytes) -> bytes:
+    """The fs block file format v2 of ``payload`` under ``k``, built from its definition
+    (docs/fs-tier.md): the header, the payload, zeros up to a multiple of 4096 bytes."""
+    value = bytearray(file_size(len(payload)))
+    encode_header(k, payload, memoryview(value)[:HEADER_BYTES])
+    value[HEADER_BYTES : HEADER_BYTES + len(payload)] = payload
+    return bytes(value)
 
 
 @pytest.fixture
@@ -130,8 +139,8 @@ async def test_roundtrip_layout_and_value_are_the_fs_block_file(
         assert bytes(host.row(5)) == pattern(1)
         name = f"team/kv/{mapper.relative_path(key(1))}"
         assert tier.object_key(key(1)) == name
-        blob = client.get(name)
-        assert len(blob) == file_size(BLOCK) and blob[HEADER_BYTES:][:BLOCK] == pattern(1)
+        blob = client.get(name)  # sent as header, row and padding: one value all the same
+        assert blob == fs_block_file(key(1), pattern(1))
         path = Path(fs.path_of(key(1)))
         path.parent.mkdir(parents=True)
         path.write_bytes(blob)
@@ -469,6 +478,7 @@ async def test_cluster_roundtrip_spreads_blocks_over_every_master(
         assert all(bytes(host.row(i)) == pattern(i) for i in range(12))
         name = tier.object_key(key(5))
         blob = bytearray(client.get(name))
+        assert blob == fs_block_file(key(5), pattern(5))
         blob[-1 - (file_size(BLOCK) - HEADER_BYTES - BLOCK)] ^= 0xFF  # last payload byte
         client.set(name, bytes(blob))
         assert not (await load(tier, [5], [13])).success

@@ -1,10 +1,16 @@
 """The device tier: the engine's KV cache and the GPU↔CPU copies (an asyncio actor).
 
-The KV cache is an int8 tensor ``(num_gpu_blocks, gpu_page_bytes)`` on CUDA when available, else
-on the CPU standing in for device memory. A primary-tier chunk holds ``blocks_per_chunk`` (k)
-GPU blocks; a transfer pairs GPU blocks with CPU sub-blocks by the copy plan of spec §5.3
-(:func:`kvcascade.ops.plan_chunk_copies`) and moves them with one batched copy
-(:func:`kvcascade.ops.batch_copy`). The device tier never talks to a secondary tier.
+The KV cache is the engine's own: its canonical int8 views ``(num_gpu_blocks, page_i)``
+(:func:`kvcascade.canonical_views` of its KV tensors, any layout that handles, on CUDA or the
+CPU), copied to and from directly; block ``b``'s bytes in the primary tier are its pages of every
+view in order (view ``i`` at byte ``k × (page_0 + … + page_{i-1})`` of the chunk, its k
+sub-blocks after one another). Without views the tier allocates one int8 tensor
+``(num_gpu_blocks, gpu_page_bytes)`` itself (CUDA when available, else the CPU standing in for
+device memory): the replay's stand-in for an engine. A primary-tier chunk holds
+``blocks_per_chunk`` (k) GPU blocks; a transfer pairs GPU blocks with CPU sub-blocks by the copy
+plan (docs/device.md; :func:`kvcascade.ops.plan_chunk_copies`) and moves them, every view at once,
+with one batched copy (:func:`kvcascade.ops.batch_copy`). The device tier never talks to a
+secondary tier.
 
 Two mailboxes, one per direction (stores GPU→CPU, loads CPU→GPU); transfers of one direction
 complete in submission order (docs/device.md). Every copy runs on that direction's worker thread,
@@ -192,10 +198,18 @@ class DeviceTier:
         host: the primary tier's buffer; a chunk (row) holds ``blocks_per_chunk`` GPU pages.
         blocks_per_chunk: GPU blocks per primary-tier chunk (k ``>= 1``, spec §1.8); the GPU page
             is ``host.block_bytes // k`` bytes.
-        device: torch device; default CUDA when available, else CPU.
+        device: torch device of the self-allocated cache; default CUDA when available, else CPU.
+        views: the engine's KV cache as canonical views (:func:`kvcascade.canonical_views`):
+            int8 ``(num_blocks, page_i)`` tensors with contiguous rows, on one device, their
+            pages adding up to the GPU page; None: the tier allocates ``kv`` itself.
+
+    Attributes:
+        kv: the self-allocated int8 ``(num_blocks, gpu_page_bytes)`` cache; None with ``views``.
+        views: the views copied to and from (``[kv]`` when self-allocated).
 
     Raises:
-        ConfigError: ``num_blocks < 1``, or ``blocks_per_chunk`` does not divide the block size.
+        ConfigError: ``num_blocks < 1``, ``blocks_per_chunk`` does not divide the block size, or
+            ``views`` that are not such views (the message names the view and what is wrong).
     """
 
     def __init__(
@@ -204,6 +218,7 @@ class DeviceTier:
         host: HostBuffer,
         blocks_per_chunk: int = 1,
         device: str | None = None,
+        views: Sequence[torch.Tensor] | None = None,
     ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ConfigError(f"gpu num_blocks must be an int >= 1, got {num_blocks!r}")
@@ -215,17 +230,24 @@ class DeviceTier:
         self.host = host
         self.blocks_per_chunk = blocks_per_chunk
         self.page_bytes = host.block_bytes // blocks_per_chunk
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        try:
-            self.kv = torch.zeros(
-                (num_blocks, self.page_bytes), dtype=torch.int8, device=self.device
-            )
-        except (RuntimeError, MemoryError) as exc:
-            raise ConfigError(
-                f"cannot allocate the device KV cache: {num_blocks} blocks × {self.page_bytes} B "
-                f"= {num_blocks * self.page_bytes:,} B on {self.device} ({exc}); lower "
-                "gpu_blocks or block_bytes"
-            ) from exc
+        self.kv: torch.Tensor | None = None
+        if views is not None:
+            self.views = _checked_views(views, num_blocks, self.page_bytes, device)
+            self.device = self.views[0].device
+        else:
+            self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            try:
+                self.kv = torch.zeros(
+                    (num_blocks, self.page_bytes), dtype=torch.int8, device=self.device
+                )
+            except (RuntimeError, MemoryError) as exc:
+                raise ConfigError(
+                    f"cannot allocate the device KV cache: {num_blocks} blocks × "
+                    f"{self.page_bytes} B = {num_blocks * self.page_bytes:,} B on {self.device} "
+                    f"({exc}); lower gpu_blocks or block_bytes"
+                ) from exc
+            self.views = [self.kv]
+        self._num_blocks = num_blocks
         self._pools = {
             d: concurrent.futures.ThreadPoolExecutor(1, f"kvcascade-{d}") for d in DIRECTIONS
         }
@@ -242,7 +264,38 @@ class DeviceTier:
     @property
     def num_blocks(self) -> int:
         """GPU blocks in the cache."""
-        return self.kv.shape[0]
+        return self._num_blocks
+
+    def _layout(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """Per view: the view, its columns of the host rows (its k pages of each chunk), and
+        its page bytes.
+
+        Raises:
+            ValueError: the views' pages no longer add up to the GPU page (the transfer fails).
+        """
+        host = self.host.tensor()
+        k = self.blocks_per_chunk
+        out, offset = [], 0
+        for view in self.views:
+            page = view.shape[1]
+            out.append((view, host[:, offset : offset + k * page], page))
+            offset += k * page
+        if offset != k * self.page_bytes:
+            raise ValueError(f"views hold {offset // k} bytes per block, not {self.page_bytes}")
+        return out
+
+    def _descriptors(
+        self, plan: Sequence[Any], store: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Copy descriptors of ``plan`` over every view and its columns of the host rows."""
+        parts = [
+            plan_descriptors(plan, view, columns, page, store=store)
+            for view, columns, page in self._layout()
+        ]
+        if len(parts) == 1:
+            return parts[0]
+        src, dst, sizes = (torch.cat(column) for column in zip(*parts))
+        return src, dst, sizes
 
     async def store(self, gpu_ids: Sequence[int], cpu_slots: Sequence[int]) -> DeviceTransfer:
         """Copy GPU blocks ``gpu_ids[i]`` into primary chunks ``cpu_slots[i]`` (k = 1)."""
@@ -283,9 +336,7 @@ class DeviceTier:
             plan = plan_chunk_copies(
                 group_sizes, block_indices, gpu_ids, cpu_chunks, self.blocks_per_chunk
             )
-            descriptors = plan_descriptors(
-                plan, self.kv, self.host.tensor(), self.page_bytes, store=direction == "store"
-            )
+            descriptors = self._descriptors(plan, store=direction == "store")
             ready = self._copier.mark()
             nbytes, end = await asyncio.get_running_loop().run_in_executor(
                 self._pools[direction], self._launch, direction, descriptors, ready
@@ -310,10 +361,11 @@ class DeviceTier:
         (:func:`kvcascade.ops.swap.select_kernel`); returns (bytes, end event or None)."""
         triton_page = None
         if self._copier.cuda:
-            host = self.host.tensor()
-            src, dst = (host, self.kv) if direction == "load" else (self.kv, host)
+            # the kernel is chosen on the view of the largest page and its host columns
+            view, host, page = max(self._layout(), key=lambda entry: entry[2])
+            src, dst = (host, view) if direction == "load" else (view, host)
             if select_kernel(src, dst, len(descriptors[0]), wait_for_build=False) == "triton":
-                triton_page = self.page_bytes
+                triton_page = page
         return self._copier.launch(direction, descriptors, ready, triton_page)
 
     def close(self) -> None:
@@ -323,3 +375,41 @@ class DeviceTier:
             pool.shutdown(wait=True)
         for bridge in self._bridges.values():
             bridge.close()
+
+
+def _checked_views(
+    views: Sequence[torch.Tensor], num_blocks: int, page_bytes: int, device: str | None
+) -> list[torch.Tensor]:
+    """``views`` as a list, checked: int8 ``(num_blocks, page_i)`` with contiguous rows, one
+    device (``device`` when given), pages adding up to ``page_bytes``.
+
+    Raises:
+        ConfigError: the first view that is not such a view, named by its index.
+    """
+    out = list(views)
+    if not out:
+        raise ConfigError("kv_views is empty: give the engine's canonical views")
+    for i, view in enumerate(out):
+        if not isinstance(view, torch.Tensor) or view.dtype != torch.int8 or view.dim() != 2:
+            what = f"{view.dtype} {tuple(view.shape)}" if isinstance(view, torch.Tensor) else view
+            raise ConfigError(
+                f"kv_views[{i}] must be an int8 (num_blocks, page_bytes) tensor "
+                f"(kvcascade.canonical_views), got {what!r}"
+            )
+        if view.shape[0] != num_blocks:
+            raise ConfigError(
+                f"kv_views[{i}] has {view.shape[0]} blocks, gpu_blocks is {num_blocks}"
+            )
+        if view.shape[1] and view.stride(1) != 1:
+            raise ConfigError(f"kv_views[{i}]: a block's bytes are not contiguous")
+        if view.device != out[0].device:
+            raise ConfigError(f"kv_views[{i}] is on {view.device}, kv_views[0] on {out[0].device}")
+    if device is not None and torch.device(device) != out[0].device:
+        raise ConfigError(f"kv_views are on {out[0].device}, device {device!r} was asked for")
+    total = sum(view.shape[1] for view in out)
+    if total != page_bytes:
+        raise ConfigError(
+            f"kv_views hold {total} bytes per block, the GPU page is {page_bytes} bytes "
+            "(block_bytes / blocks_per_chunk)"
+        )
+    return out

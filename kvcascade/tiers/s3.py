@@ -57,6 +57,7 @@ import datetime
 import enum
 import logging
 import math
+import re
 import time
 import urllib.parse
 from collections.abc import Collection, Iterator, Sequence
@@ -71,6 +72,8 @@ from botocore.exceptions import (
     BotoCoreError,
     ClientError,
     ConnectionClosedError,
+    NoCredentialsError,
+    ParamValidationError,
     ReadTimeoutError,
     ResponseStreamingError,
 )
@@ -230,6 +233,35 @@ def _error_code(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+"""A bucket name S3 accepts for new buckets: 3–63 lowercase letters, digits, dots, hyphens."""
+_BUCKET_RULE = "3-63 lowercase letters, digits, dots or hyphens, starting and ending alphanumeric"
+
+
+def _startup_problem(bucket: str, exc: BaseException) -> str:
+    """What the start-up ``HeadBucket`` failure ``exc`` (raised by :meth:`S3Tier._backend`)
+    says is wrong, in words: no credentials (botocore found none), invalid bucket name (refused
+    by botocore's check or answered ``400`` / ``InvalidBucketName``), bucket does not exist
+    (``404``; a name outside S3's naming rules is said to be one), credentials refused
+    (``403``), else not reachable."""
+    cause = exc.__cause__
+    code = _error_code(cause) if cause is not None else ""
+    if isinstance(cause, NoCredentialsError):
+        return (
+            "no credentials: give access_key and secret_key, or set them for botocore's "
+            "default chain (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, ~/.aws/credentials)"
+        )
+    if isinstance(cause, ParamValidationError) or code in ("400", "InvalidBucketName"):
+        return f"invalid bucket name (S3 bucket names are {_BUCKET_RULE})"
+    if isinstance(exc, _NotFound) or code == "NoSuchBucket":
+        if not _BUCKET_NAME.fullmatch(bucket):
+            return f"bucket does not exist, and its name is invalid ({_BUCKET_RULE})"
+        return "bucket does not exist"
+    if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+        return "access denied: the endpoint refused these credentials"
+    return "not reachable"
+
+
 def _is_not_found(exc: BaseException) -> bool:
     if not isinstance(exc, ClientError):
         return False
@@ -367,8 +399,10 @@ class S3Tier(SecondaryTier):
         multipart uploads (:meth:`_abort_orphan_uploads`).
 
         Raises:
-            TierUnavailableError: the bucket cannot be reached; the message names bucket,
-                endpoint and the S3 error code (or the connection error's type).
+            TierUnavailableError: the bucket cannot be used; the message names bucket,
+                endpoint, what is wrong (:func:`_startup_problem`: no credentials, bucket does
+                not exist, invalid bucket name, credentials refused, not reachable) and the S3
+                error code (or the error's type).
         """
         session = aiobotocore.session.get_session()
         kwargs = self._credentials.client_kwargs() if self._credentials else {}
@@ -381,8 +415,8 @@ class S3Tier(SecondaryTier):
             await self._send("head_bucket")
         except (TierUnavailableError, TransferError) as exc:
             raise TierUnavailableError(
-                f"s3 tier {self.name!r}: bucket {self.bucket!r} at {self.endpoint} is not "
-                f"reachable ({exc})"
+                f"s3 tier {self.name!r}: bucket {self.bucket!r} at {self.endpoint}: "
+                f"{_startup_problem(self.bucket, exc)} ({exc})"
             ) from exc
         await self._abort_orphan_uploads()
 

@@ -22,9 +22,11 @@ has a deadline: ``connect_timeout_s`` to connect, ``timeout_s`` per socket read 
 retried by the client (``max_attempts`` in all, exponential backoff) on connection errors and
 timeouts; the job as a whole is bounded by ``io_timeout_s`` (:class:`SecondaryTier`).
 
-* **Store** (per block, concurrently): the value is assembled in one buffer (the client sends a
-  value as one argument: one copy of the payload, plus the xxh3 pass; buffers are reused, at
-  most ``max_concurrency`` of them) and written with ``SET``.
+* **Store** (per block, concurrently): on one server the header, the primary row itself and
+  the zero padding are sent as separate buffers of one ``SET`` (:meth:`ValkeyTier._set_parts`:
+  no copy of ours, only the xxh3 pass); a cluster's client routes a ``SET`` of one argument, so
+  there the value is assembled in one buffer (one copy of the payload; buffers are reused, at
+  most ``max_concurrency`` of them).
   A key another engine already wrote is rewritten with the same bytes (a cascade only carries
   blocks the primary tier did not have, so rewrites are rare, and a rewrite refreshes the
   server's LRU clock).
@@ -228,7 +230,8 @@ class ValkeyTier(SecondaryTier):
         }
         self.max_concurrency = max_concurrency
         self._sem = asyncio.Semaphore(max_concurrency)
-        self._values: list[memoryview] = []  # value buffers free for reuse (<= max_concurrency)
+        self._values: list[memoryview] = []  # cluster: value buffers free for reuse
+        self._padding = bytes(self.value_bytes - HEADER_BYTES - host.block_bytes)
         self._client: Any = None
         self._down_until = 0.0
         self._full_until = 0.0
@@ -394,6 +397,12 @@ class ValkeyTier(SecondaryTier):
 
     async def _store_one(self, key: bytes, row: memoryview) -> int:
         name = self.object_key(key)
+        if not self.cluster:
+            header = memoryview(bytearray(HEADER_BYTES))
+            encode_header(key, row, header)
+            parts = (header, row, self._padding) if self._padding else (header, row)
+            await self._command("SET", lambda: self._set_parts(name, parts))
+            return row.nbytes
         async with self._sem:
             # A value buffer of a finished store is reused: its header beyond the 32 bytes
             # encode_header writes and its padding are still zero; a fresh one costs page faults.
@@ -404,6 +413,41 @@ class ValkeyTier(SecondaryTier):
             await self._call("SET", lambda: self._client.set(name, value))
         self._values.append(value)  # not after a failure: a cancelled send may still hold it
         return row.nbytes
+
+    async def _set_parts(self, name: str, parts: Sequence[memoryview | bytes]) -> None:
+        """``SET name <the parts, concatenated>`` on one server, the parts sent as they are.
+
+        The command is packed by hand (RESP: ``*3``, ``$3 SET``, ``$len name``, ``$len`` and the
+        value's parts, ``CRLF``) and sent with the pooled connection's ``send_packed_command``,
+        a list of buffers, so the value is never assembled in a buffer of ours: the client's
+        own ``SET`` takes one argument per value. Connection, retries and response parsing
+        are the client's (``get_connection``, the connection's ``retry``, ``read_response``),
+        as in ``redis.asyncio.Redis.execute_command``, so its errors reach :meth:`_backend`
+        unchanged. A send cut short (deadline, cancellation) disconnects the connection; were
+        the row's bytes to change under such a send, the value stored would fail its checksum
+        on load (a miss), never be served.
+
+        Raises:
+            the client's exceptions (connection errors after its retries, the server's error
+            replies), and :class:`TransferError` for an answer other than ``OK``.
+        """
+        key = name.encode()
+        length = sum(memoryview(p).nbytes for p in parts)
+        command = [b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (len(key), key, length)]
+        command += [*parts, b"\r\n"]
+
+        async def attempt() -> Any:
+            await conn.send_packed_command(command)
+            return await conn.read_response()
+
+        pool = self._client.connection_pool
+        conn = await pool.get_connection()
+        try:
+            answer = await conn.retry.call_with_retry(attempt, lambda _: conn.disconnect())
+        finally:
+            await pool.release(conn)
+        if answer != b"OK":
+            raise TransferError(f"valkey SET {name}: answered {answer!r}, not OK")
 
     async def _load_one(self, key: bytes, row: memoryview) -> int:
         name = self.object_key(key)
