@@ -170,7 +170,7 @@ async def bench_size(args: argparse.Namespace, client: Any, block: int) -> dict[
             names = [f"{prefix}{i:06d}.bin" for i in range(n)]
             bodies = [os.urandom(file_size(block)) for _ in range(n)]
             started = asyncio.Event()
-            actor = asyncio.create_task(tier.run(started.set))
+            actor = asyncio.create_task(tier.serve(started.set))
             await started.wait()
             times: dict[str, float] = {}
             try:

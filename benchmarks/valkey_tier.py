@@ -136,7 +136,7 @@ async def bench_size(args: argparse.Namespace, block: int) -> dict[str, float]:
             names = [f"raw-{salt}/{i:06d}.bin" for i in range(n)]
             values = [os.urandom(file_size(block)) for _ in range(n)]
             started = asyncio.Event()
-            actor = asyncio.create_task(tier.run(started.set))
+            actor = asyncio.create_task(tier.serve(started.set))
             await started.wait()
             times: dict[str, float] = {}
             cpu_times: dict[str, float] = {}

@@ -476,7 +476,7 @@ def _succeeded(copy: asyncio.Future[DeviceTransfer]) -> bool:
 
 
 async def start_tier_actors(tiers: Sequence[SecondaryTier]) -> list[asyncio.Task[None]]:
-    """Start each tier's actor (:meth:`SecondaryTier.run`) and wait until it is ready.
+    """Start each tier's actor (:meth:`SecondaryTier.serve`) and wait until it is ready.
 
     Returns the actor tasks, for :func:`stop_tier_actors`.
 
@@ -489,7 +489,7 @@ async def start_tier_actors(tiers: Sequence[SecondaryTier]) -> list[asyncio.Task
     try:
         for tier in tiers:
             started = asyncio.Event()
-            actor = asyncio.create_task(tier.run(started.set), name=f"kvcascade-{tier.name}")
+            actor = asyncio.create_task(tier.serve(started.set), name=f"kvcascade-{tier.name}")
             actors.append(actor)
             ready = asyncio.create_task(started.wait())
             try:

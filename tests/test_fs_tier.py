@@ -892,7 +892,7 @@ _WRITER = textwrap.dedent("""
         )
         async with asyncio.TaskGroup() as group:
             started = asyncio.Event()
-            group.create_task(tier.run(started.set))
+            group.create_task(tier.serve(started.set))
             await started.wait()
             for j in range(100):
                 ids = list(range(10 * j, 10 * j + 10))

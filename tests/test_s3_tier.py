@@ -236,7 +236,7 @@ async def test_shutdown_with_jobs_in_flight_and_idempotent_close(
         proxy.faults.append(Fault("delay", lambda m, t: m == "PUT", seconds=0.3))
         tier = make_tier(proxy.endpoint, bucket, host, max_concurrency=1)
         started = asyncio.Event()
-        actor = asyncio.create_task(tier.run(started.set))
+        actor = asyncio.create_task(tier.serve(started.set))
         await started.wait()
         host.row(0)[:] = pattern(0)
         first = tier.submit_store(job([key(0)], [0], False))
@@ -308,7 +308,7 @@ async def test_startup_probe_names_bucket_endpoint_and_code(
     for endpoint, code in [(moto.endpoint, "404"), (dead, "EndpointConnectionError")]:
         tier = make_tier(endpoint, "no-such-bucket", host, max_attempts=1)
         with pytest.raises(kc.TierUnavailableError) as info:
-            await asyncio.wait_for(tier.run(), 20)
+            await asyncio.wait_for(tier.serve(), 20)
         text = str(info.value)
         assert "no-such-bucket" in text and endpoint in text and code in text
         assert SECRET_KEY not in text and tier._client is None

@@ -101,7 +101,7 @@ async def test_startup_fails_naming_the_server_when_unreachable(host: kc.HostBuf
     url = f"redis://127.0.0.1:{free_port()}"
     tier = make_tier(url, host, max_attempts=1, connect_timeout_s=0.5)
     with pytest.raises(kc.TierUnavailableError, match=f"{url}.*ConnectionError"):
-        await asyncio.wait_for(tier.run(), 10)
+        await asyncio.wait_for(tier.serve(), 10)
     assert tier._client is None
 
 
