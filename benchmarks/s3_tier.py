@@ -50,8 +50,8 @@ import torch
 from aiobotocore.config import AioConfig
 
 import kvcascade as kc
+from kvcascade.tiers._block_format import file_size
 from kvcascade.tiers._file_mapper import FileMapper, default_identity
-from kvcascade.tiers.fs import file_size
 from kvcascade.tiers.s3 import S3Tier, s3_tier_from_config
 
 

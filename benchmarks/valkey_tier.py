@@ -47,8 +47,8 @@ import redis.asyncio as aioredis
 import torch
 
 import kvcascade as kc
+from kvcascade.tiers._block_format import file_size
 from kvcascade.tiers._file_mapper import FileMapper, default_identity
-from kvcascade.tiers.fs import file_size
 from kvcascade.tiers.valkey import ValkeyTier, valkey_tier_from_config
 
 

@@ -39,8 +39,9 @@ from kvcascade._cli import main
 from kvcascade._replay import replay
 from kvcascade._trace import TraceRequest
 from kvcascade.tiers import s3 as s3_tier_module
+from kvcascade.tiers._block_format import HEADER_BYTES, file_size
 from kvcascade.tiers._file_mapper import FileMapper, default_identity
-from kvcascade.tiers.fs import HEADER_BYTES, FileSystemTier, file_size
+from kvcascade.tiers.fs import FileSystemTier
 from kvcascade.tiers.registry import TierContext, create_secondary_tier
 from kvcascade.tiers.s3 import S3Tier, s3_tier_from_config
 

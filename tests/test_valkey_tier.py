@@ -29,8 +29,9 @@ from kvcascade.coordinator import TieringCoordinator
 from kvcascade.index.cpu import CPUOffloadingManager
 from kvcascade.metrics import TieringMetrics
 from kvcascade.tiers import valkey as valkey_module
+from kvcascade.tiers._block_format import HEADER_BYTES, file_size
 from kvcascade.tiers._file_mapper import FileMapper, default_identity
-from kvcascade.tiers.fs import HEADER_BYTES, FileSystemTier, file_size
+from kvcascade.tiers.fs import FileSystemTier
 from kvcascade.tiers.registry import TierContext, create_secondary_tier
 from kvcascade.tiers.valkey import ValkeyTier, valkey_tier_from_config
 
