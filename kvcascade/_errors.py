@@ -7,7 +7,7 @@
     ├── TraceError  (also ValueError)      missing or malformed trace file
     ├── CorruptBlockError                  a stored block failed its checksum or length check
     ├── TierUnavailableError               a tier is not running or its backing store is unreachable
-    ├── DeadlineExceededError (also TimeoutError)  a tier's job or call passed its deadline
+    ├── DeadlineExceededError (also TimeoutError)  a job, call or wait passed its deadline
     ├── InsufficientSpaceError (also RuntimeError)  no room for the shared primary-tier region
     ├── BlockUnavailableError (also KeyError)  prepare_load of a key no longer readable
     └── TransferError                      a transfer job failed; carries the keys that did succeed
@@ -44,8 +44,10 @@ class TierUnavailableError(KVCascadeError):
 
 
 class DeadlineExceededError(KVCascadeError, TimeoutError):
-    """A tier's job or call passed its deadline (``io_timeout_s`` seconds after submission), in
-    its queue or on a worker (``kvcascade/tiers/_pool.py``).
+    """kvcascade's own timeout: a tier's job or call passed its deadline (``io_timeout_s``
+    seconds after submission, in its queue or on a worker: ``kvcascade/tiers/_pool.py``), or a
+    wait of the shared region for its creator did (``wait_timeout_s``,
+    ``kvcascade/tiers/shm.py``).
 
     Attributes:
         rows_in_use: the call was still running inside its access to the primary rows (or, for a

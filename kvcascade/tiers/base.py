@@ -19,17 +19,21 @@ What the framework guarantees a tier:
   mover, whose late outcome is then discarded; a mover that was inside
   :meth:`~SecondaryTier._row_access` keeps its rows out of use until it returns;
 * blocking movers run on the tier's daemon I/O threads; coroutine movers (all of them, a native
-  asyncio tier) run as tasks on the event loop, and are cancelled at their deadline;
+  asyncio tier) run as tasks on the event loop, and are cancelled at their deadline; everything
+  else a tier implements (:meth:`~SecondaryTier._rows`, :meth:`~SecondaryTier._stored_event_keys`,
+  :meth:`~SecondaryTier.touch`, :meth:`~SecondaryTier._startup`,
+  :meth:`~SecondaryTier._cleanup`) runs on the event-loop thread;
 * :meth:`~SecondaryTier._startup` runs before the tier reports ready,
   :meth:`~SecondaryTier._cleanup` after its last job ended (also when the start-up failed);
 * every job completes exactly once: its future resolves with a :class:`JobResult`, the same
-  result comes out of :meth:`~SecondaryTier.get_finished_jobs`, and a successful store is
+  result comes out of :meth:`~SecondaryTier.get_finished_jobs` (a job abandoned at its deadline
+  is followed by a ``released`` result once its mover returned), and a successful store is
   announced as an :class:`OffloadingEvent`.
 
 What a tier owes the framework:
 
-* a store skips keys already present (a store hit moves no bytes) and stays within the tier's
-  capacity (evicting first, announcing the evicted keys as removed);
+* a store skips keys it knows to be present (a store hit moves no bytes) and stays within the
+  tier's capacity (evicting first, announcing the evicted keys as removed);
 * a store moves every block it can and, if any failed, raises :class:`TransferError` with
   exactly the keys stored; a load stops at its first failing block (a prefix is useless after
   its first gap) and raises :class:`TransferError` with the keys before it; a block that fails

@@ -19,7 +19,7 @@ Life cycle (see ``docs/cpu-tier.md``):
    the free space of the file system (:class:`InsufficientSpaceError` names requested bytes,
    available bytes and path, and leaves no file), sizes the file, and records itself in the
    sidecar ``kvcascade_<instance_id>.owner``. The others open the file and wait (bounded,
-   :class:`TimeoutError`) until it has its size.
+   :class:`DeadlineExceededError`, a ``TimeoutError``) until it has its size.
 3. **Map and prefault** — everyone maps the whole file shared. Pages are prefaulted with
    ``MADV_POPULATE_WRITE`` (value 23) where the kernel has it, else by a read-modify-write of one
    byte per page; a worker prefaults only its own slot of every row, the scheduler all of it.
@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from .._atomic import replace_file
-from .._errors import ConfigError, InsufficientSpaceError
+from .._errors import ConfigError, DeadlineExceededError, InsufficientSpaceError
 from .._validate import check_int, is_int
 from .cpu import PAGE_SIZE, register_host_memory, round_up, unregister_host_memory
 
@@ -281,7 +281,7 @@ class SharedOffloadRegion:
     Raises:
         ConfigError: a bad size or rank, or an existing file of another size.
         InsufficientSpaceError: the file system lacks the space (no file is left behind).
-        TimeoutError: the creator did not size the file within ``wait_timeout_s``.
+        DeadlineExceededError: the creator did not size the file within ``wait_timeout_s``.
         OSError: mapping or ``madvise`` failed (other than ``EINVAL`` from the probe).
     """
 
@@ -405,7 +405,7 @@ class SharedOffloadRegion:
                     "geometry per instance_id"
                 )
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"{self.path} was not sized by its creator in time")
+                raise DeadlineExceededError(f"{self.path} was not sized by its creator in time")
             time.sleep(_POLL_S)
 
     def _count_participant(self, expected: int | None) -> None:
@@ -429,7 +429,9 @@ class SharedOffloadRegion:
                     break
                 os.close(fd)  # an older generation's record: the creator replaces it soon
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"{sidecar} was not written by the creator of {self.path}")
+                raise DeadlineExceededError(
+                    f"{sidecar} was not written by the creator of {self.path}"
+                )
             time.sleep(_POLL_S)
         try:
             attached += 1
