@@ -169,7 +169,7 @@ class WorkerPool(ABC):
 
         ``deadline``: fail the call ``timeout_s`` after now. ``is_job``: count it in
         :attr:`queued_jobs` while it waits. ``on_released``: called on the loop once a call
-        abandoned at its deadline has returned.
+        abandoned at its deadline has returned, after the callbacks of its failed future.
         """
         assert self._loop is not None
         work = Submitted(fn, args, self._loop.create_future(), priority, is_job, on_released)
@@ -319,12 +319,15 @@ class WorkerPool(ABC):
 
     def _returned(self, work: Submitted) -> None:
         """An abandoned call returned: its slot (unless a replacement took it) and its rows are
-        free again."""
+        free again. ``on_released`` runs in a later loop callback than the future's own
+        callbacks (scheduled when it failed, before this), so whoever reads the failure first
+        sees it before the release."""
         self.counters["stuck_threads"] -= 1
         if not work.replaced:
             self._release_slot(work.slot)
         if work.on_released is not None:
-            work.on_released()
+            assert self._loop is not None
+            self._loop.call_soon(work.on_released)
 
 
 class ThreadPool(WorkerPool):
