@@ -148,9 +148,9 @@ async def test_task_pool_cancels_at_the_deadline_and_frees_the_slot_after_unwind
 
 @pytest.mark.parametrize("pool_type", [ThreadPool, TaskPool])
 async def test_release_of_an_abandoned_call_follows_its_failure(pool_type: type) -> None:
-    """Whoever reads a call's failure (a callback on its future, as the tier's job result) sees
-    it before the call's release, even when the call unwinds at once (a task cancelled at its
-    deadline) or returns just after being abandoned."""
+    """Whoever reads a call's failure (``on_done``, which makes the tier's job result, or a
+    callback on its future) sees it before the call's release, even when the call unwinds at
+    once (a task cancelled at its deadline) or returns just after being abandoned."""
     pool = pool_type("t", 1, 0.05, collections.Counter())
     pool.start()
     events: list[str] = []
@@ -160,7 +160,13 @@ async def test_release_of_an_abandoned_call_follows_its_failure(pool_type: type)
         await asyncio.sleep(10)
 
     fn, args = (wait_cancelled, ()) if pool_type is TaskPool else (gate.wait, (10,))
-    call = pool.submit(fn, args, LOAD, on_released=lambda: events.append("released"))
+    call = pool.submit(
+        fn,
+        args,
+        LOAD,
+        on_done=lambda _: events.append("done"),
+        on_released=lambda: events.append("released"),
+    )
     call.future.add_done_callback(lambda _: events.append("failed"))
     with pytest.raises(kc.DeadlineExceededError):
         await call
@@ -169,5 +175,5 @@ async def test_release_of_an_abandoned_call_follows_its_failure(pool_type: type)
         if "released" in events:
             break
         await asyncio.sleep(0.01)
-    assert events == ["failed", "released"]
+    assert events == ["done", "failed", "released"]
     await pool.shutdown()

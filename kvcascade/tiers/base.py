@@ -397,13 +397,13 @@ class SecondaryTier(ABC):
             self._finish_job(job, fut, JobResult(job.job_id, False, error=str(exc)))
             return fut
         released = JobResult(job.job_id, False, released=True)  # once its rows are free
-        work = self._pool.submit(
+        self._pool.submit(
             self._load_blocks if job.is_promotion else self._store_blocks,
             (job.keys, rows),
             Priority.LOAD if job.is_promotion else Priority.STORE,
+            on_done=lambda work: self._job_done(job, work, fut),
             on_released=lambda: self._finished.append(released),
         )
-        work.future.add_done_callback(lambda _: self._job_done(job, work, fut))
         self._pending.add(fut)
         fut.add_done_callback(self._pending.discard)
         return fut
