@@ -186,7 +186,7 @@ async def bench_size(args: argparse.Namespace, block: int) -> dict[str, float]:
             ]
             async with asyncio.TaskGroup() as group:
                 started = asyncio.Event()
-                group.create_task(tier.run(started.set))
+                group.create_task(tier.serve(started.set))
                 await started.wait()
                 sides = ["tier", "raw"] if rep % 2 == 0 else ["raw", "tier"]
                 for side in sides:

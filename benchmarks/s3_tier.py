@@ -50,8 +50,8 @@ import torch
 from aiobotocore.config import AioConfig
 
 import kvcascade as kc
+from kvcascade.tiers._block_format import file_size
 from kvcascade.tiers._file_mapper import FileMapper, default_identity
-from kvcascade.tiers.fs import file_size
 from kvcascade.tiers.s3 import S3Tier, s3_tier_from_config
 
 
@@ -170,7 +170,7 @@ async def bench_size(args: argparse.Namespace, client: Any, block: int) -> dict[
             names = [f"{prefix}{i:06d}.bin" for i in range(n)]
             bodies = [os.urandom(file_size(block)) for _ in range(n)]
             started = asyncio.Event()
-            actor = asyncio.create_task(tier.run(started.set))
+            actor = asyncio.create_task(tier.serve(started.set))
             await started.wait()
             times: dict[str, float] = {}
             try:

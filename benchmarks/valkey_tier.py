@@ -50,8 +50,8 @@ import redis.asyncio as aioredis
 import torch
 
 import kvcascade as kc
+from kvcascade.tiers._block_format import file_size
 from kvcascade.tiers._file_mapper import FileMapper, default_identity
-from kvcascade.tiers.fs import file_size
 from kvcascade.tiers.valkey import ValkeyTier, valkey_tier_from_config
 
 
@@ -132,7 +132,7 @@ async def bench_size(args: argparse.Namespace, block: int) -> dict[str, float]:
     cfg = {"url": args.url, "max_concurrency": args.concurrency, "prefix": uuid.uuid4().hex}
     tier = valkey_tier_from_config(host, FileMapper(default_identity()), cfg)
     started = asyncio.Event()
-    actor = asyncio.create_task(tier.run(started.set))
+    actor = asyncio.create_task(tier.serve(started.set))
     await started.wait()
     best: dict[str, float] = {}
     try:

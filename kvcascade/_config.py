@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._errors import ConfigError
+from ._validate import is_int, is_number
 from .tiers.cpu import PAGE_SIZE, round_up
 
 # vLLM OffloadingConnector keys accepted for compatibility (spec §1.9) and kvcascade's own keys.
@@ -40,7 +41,7 @@ KNOWN_KEYS = frozenset(_VLLM_KEYS | _OWN_KEYS)
 
 
 def _positive_int(name: str, value: Any, *, allow_zero: bool = False) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise ConfigError(f"{name} must be an integer, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
@@ -62,10 +63,10 @@ def _check_vllm_keys(extra: dict[str, Any]) -> None:
     for key in ("blocks_per_chunk", "block_size"):
         if key in extra:
             value = extra[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ConfigError(f"{key} must be an integer greater than 0, got {value!r}")
     threshold = extra.get("store_threshold", 0)
-    if isinstance(threshold, bool) or not isinstance(threshold, int):
+    if not is_int(threshold):
         raise ConfigError(f"store_threshold must be an integer, got {threshold!r}")
     if threshold >= 2:
         raise ConfigError(
@@ -137,9 +138,7 @@ class CascadeConfig:
                 f"({row} B for {self.block_bytes} B of KV); give at least {row}"
             )
         timeout = self.pending_write_timeout_s
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
-        ):
+        if timeout is not None and (not is_number(timeout) or timeout <= 0):
             raise ConfigError(
                 f"pending_write_timeout_s must be > 0 seconds or null, got {timeout!r}"
             )

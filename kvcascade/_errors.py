@@ -6,7 +6,9 @@
     ├── ConfigError (also ValueError)      bad configuration value or unknown key
     ├── TraceError  (also ValueError)      missing or malformed trace file
     ├── CorruptBlockError                  a stored block failed its checksum or length check
-    ├── TierUnavailableError               a tier cannot serve (closed, endpoint down)
+    ├── TierUnavailableError               a tier is not running or its backing store is unreachable
+    ├── DeadlineExceededError (also TimeoutError)  a job, call or wait passed its deadline
+    ├── InsufficientSpaceError (also RuntimeError)  no room for the shared primary-tier region
     ├── BlockUnavailableError (also KeyError)  prepare_load of a key no longer readable
     └── TransferError                      a transfer job failed; carries the keys that did succeed
 
@@ -35,7 +37,33 @@ class CorruptBlockError(KVCascadeError):
 
 
 class TierUnavailableError(KVCascadeError):
-    """A tier is closed or its backing store cannot be reached."""
+    """The tier (or the cascade holding it) cannot serve at all: it is not running (not started
+    yet, or closed) or its backing store cannot be reached (an S3 endpoint or a valkey server
+    that does not answer). Never a per-block outcome: a block that is missing, corrupt or being
+    evicted fails its job with :class:`TransferError`."""
+
+
+class DeadlineExceededError(KVCascadeError, TimeoutError):
+    """kvcascade's own timeout: a tier's job or call passed its deadline (``io_timeout_s``
+    seconds after submission, in its queue or on a worker: ``kvcascade/tiers/_pool.py``), or a
+    wait of the shared region for its creator did (``wait_timeout_s``,
+    ``kvcascade/tiers/shm.py``).
+
+    Attributes:
+        rows_in_use: the call was still running inside its access to the primary rows (or, for a
+            coroutine call, had not unwound yet) when it was given up: those rows stay out of
+            use until it returns (the job's ``abandoned`` result).
+    """
+
+    def __init__(self, message: str, rows_in_use: bool = False) -> None:
+        super().__init__(message)
+        self.rows_in_use = rows_in_use
+
+
+class InsufficientSpaceError(KVCascadeError, RuntimeError):
+    """The file system of the shared primary-tier region (``kvcascade/tiers/shm.py``) has less
+    free space than the region needs; the message names requested bytes, available bytes and
+    the path."""
 
 
 class BlockUnavailableError(KVCascadeError, KeyError):

@@ -7,6 +7,8 @@ the bookkeeping's way, as in vLLM's ``OffloadKey``.
 
 from __future__ import annotations
 
+from ._validate import is_int
+
 _GROUP_BYTES = 4
 _MAX_GROUP = (1 << 32) - 1
 
@@ -22,7 +24,7 @@ def make_offload_key(block_hash: bytes, group_idx: int) -> bytes:
     """
     if not isinstance(block_hash, (bytes, bytearray, memoryview)):
         raise TypeError(f"block_hash must be bytes, got {type(block_hash).__name__}")
-    if isinstance(group_idx, bool) or not isinstance(group_idx, int):
+    if not is_int(group_idx):
         raise TypeError(f"group_idx must be an int, got {type(group_idx).__name__}")
     if not 0 <= group_idx <= _MAX_GROUP:
         raise ValueError(f"group_idx must be in [0, 2**32), got {group_idx}")

@@ -195,7 +195,7 @@ async def _actor(
         task_status.started()
 
     try:
-        await tier.run(ready)
+        await tier.serve(ready)
     except Exception as exc:
         if not started:
             raise

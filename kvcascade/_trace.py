@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ._errors import TraceError
+from ._validate import is_int, is_number
 
 TOKENS_PER_BLOCK = 512
 _MAX_ID = 1 << 64  # block ids become 8-byte block hashes
@@ -86,22 +87,14 @@ def _iter_trace(path: Path, limit: int | None) -> Iterator[TraceRequest]:
                     f"{path}:{lineno}: expected a JSON object, got {line.strip()[:60]!r}"
                 )
             ids = record.get("hash_ids")
-            if not isinstance(ids, list) or not all(
-                isinstance(h, int) and not isinstance(h, bool) and 0 <= h < _MAX_ID for h in ids
-            ):
+            if not isinstance(ids, list) or not all(is_int(h) and 0 <= h < _MAX_ID for h in ids):
                 raise TraceError(
                     f"{path}:{lineno}: 'hash_ids' must be a list of integers in [0, 2**64), "
                     f"got {str(ids)[:60]}"
                 )
             ts = record.get("timestamp", 0)
             length = record.get("input_length", len(ids) * TOKENS_PER_BLOCK)
-            if (
-                isinstance(ts, bool)
-                or not isinstance(ts, (int, float))
-                or not math.isfinite(ts)
-                or isinstance(length, bool)
-                or not isinstance(length, int)
-            ):
+            if not is_number(ts) or not math.isfinite(ts) or not is_int(length):
                 raise TraceError(
                     f"{path}:{lineno}: bad timestamp {ts!r} or input_length {length!r}"
                 )

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._types import ReqContext
+from ._validate import is_int, is_number
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +59,10 @@ class SessionHint:
         if self.continues is not None and not isinstance(self.continues, bool):
             raise ValueError(f"continues must be true, false or null, got {self.continues!r}")
         if self.ttl_s is not None and (
-            isinstance(self.ttl_s, bool)
-            or not isinstance(self.ttl_s, int | float)
-            or not math.isfinite(self.ttl_s)
-            or self.ttl_s <= 0
+            not is_number(self.ttl_s) or not math.isfinite(self.ttl_s) or self.ttl_s <= 0
         ):
             raise ValueError(f"ttl_s must be a positive number of seconds, got {self.ttl_s!r}")
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+        if not is_int(self.priority):
             raise ValueError(f"priority must be an int, got {self.priority!r}")
         object.__setattr__(self, "priority", max(-MAX_PRIORITY, min(MAX_PRIORITY, self.priority)))
 

@@ -43,7 +43,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from test_coordinator_model import ScriptedTier
 
 import kvcascade as kc
-from kvcascade.tiers.fs import HEADER_BYTES, file_size
+from kvcascade.tiers._block_format import HEADER_BYTES, file_size
 
 BLOCK = 512  # KV bytes of one block
 GPU_ROWS = 8

@@ -64,7 +64,7 @@ class CoordinatorModel(RuleBasedStateMachine):
         self.actors = []
         for tier in self.tiers:
             started = asyncio.Event()
-            self.actors.append(self.loop.create_task(tier.run(started.set)))
+            self.actors.append(self.loop.create_task(tier.serve(started.set)))
             self.loop.run_until_complete(started.wait())
         self.coord = kc.TieringCoordinator(self.primary, self.tiers)
         self.ctx = {r: kc.ReqContext(r) for r in REQS}

@@ -34,14 +34,9 @@ import kvcascade as kc
 from kvcascade import LookupResult as R
 from kvcascade.ops import _build
 from kvcascade.tiers import fs
-from kvcascade.tiers._file_mapper import FORMAT_VERSION, FileMapper, default_identity
-from kvcascade.tiers.fs import (
-    HEADER_BYTES,
-    FileSystemTier,
-    check_block,
-    file_size,
-    fs_tier_from_config,
-)
+from kvcascade.tiers._block_format import FORMAT_VERSION, HEADER_BYTES, check_block, file_size
+from kvcascade.tiers._file_mapper import FileMapper, default_identity
+from kvcascade.tiers.fs import FileSystemTier, fs_tier_from_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -547,7 +542,7 @@ async def test_file_being_read_is_not_evicted_and_gone_file_counts(
         fifo.unlink()
         os.mkfifo(fifo, 0o600)
         reading = tier.submit_load(job([key(1)], [9], True))
-        while not tier._readers:  # the load is inside open() on the FIFO
+        while not tier._index.readers:  # the load is inside open() on the FIFO
             await asyncio.sleep(0.01)
         Path(tier.path_of(key(2))).unlink()  # already gone when evicted
         assert (await store(tier, host, [4])).success
@@ -609,7 +604,8 @@ _TOUCH_A_SET = textwrap.dedent("""
     import kvcascade as kc
     from tier_helpers import key, running, store
     from kvcascade.tiers._file_mapper import FileMapper, default_identity
-    from kvcascade.tiers.fs import FileSystemTier, file_size
+    from kvcascade.tiers._block_format import file_size
+    from kvcascade.tiers.fs import FileSystemTier
 
     async def main():
         host = kc.HostBuffer(8, 4096)
@@ -892,7 +888,7 @@ _WRITER = textwrap.dedent("""
         )
         async with asyncio.TaskGroup() as group:
             started = asyncio.Event()
-            group.create_task(tier.run(started.set))
+            group.create_task(tier.serve(started.set))
             await started.wait()
             for j in range(100):
                 ids = list(range(10 * j, 10 * j + 10))

@@ -23,8 +23,8 @@ from kvcascade import CascadeConfig, TraceError
 from kvcascade._cli import main
 from kvcascade._replay import block_key, expected_bytes, run_replay
 from kvcascade._trace import TraceRequest, bundled_trace, read_trace
+from kvcascade.tiers._block_format import HEADER_BYTES, check_block, encode_header
 from kvcascade.tiers._file_mapper import FileMapper, default_identity
-from kvcascade.tiers.fs import HEADER_BYTES, check_block, encode_header
 
 
 @pytest.fixture(scope="module")

@@ -39,8 +39,9 @@ from kvcascade._cli import main
 from kvcascade._replay import replay
 from kvcascade._trace import TraceRequest
 from kvcascade.tiers import s3 as s3_tier_module
+from kvcascade.tiers._block_format import HEADER_BYTES, file_size
 from kvcascade.tiers._file_mapper import FileMapper, default_identity
-from kvcascade.tiers.fs import HEADER_BYTES, FileSystemTier, file_size
+from kvcascade.tiers.fs import FileSystemTier
 from kvcascade.tiers.registry import TierContext, create_secondary_tier
 from kvcascade.tiers.s3 import S3Tier, s3_tier_from_config
 
@@ -236,7 +237,7 @@ async def test_shutdown_with_jobs_in_flight_and_idempotent_close(
         proxy.faults.append(Fault("delay", lambda m, t: m == "PUT", seconds=0.3))
         tier = make_tier(proxy.endpoint, bucket, host, max_concurrency=1)
         started = asyncio.Event()
-        actor = asyncio.create_task(tier.run(started.set))
+        actor = asyncio.create_task(tier.serve(started.set))
         await started.wait()
         host.row(0)[:] = pattern(0)
         first = tier.submit_store(job([key(0)], [0], False))
@@ -311,7 +312,7 @@ async def test_startup_probe_names_bucket_endpoint_and_code(
     ]:
         tier = make_tier(endpoint, "no-such-bucket", host, max_attempts=1)
         with pytest.raises(kc.TierUnavailableError) as info:
-            await asyncio.wait_for(tier.run(), 20)
+            await asyncio.wait_for(tier.serve(), 20)
         text = str(info.value)
         assert "no-such-bucket" in text and endpoint in text and code in text
         assert f"{endpoint}: {problem} (" in text
@@ -349,7 +350,7 @@ async def test_startup_error_says_what_is_wrong(
         del cfg["access_key"], cfg["secret_key"]
     tier = s3_tier_from_config(host, FileMapper(default_identity()), cfg)
     with pytest.raises(kc.TierUnavailableError) as info:
-        await asyncio.wait_for(tier.run(), 20)
+        await asyncio.wait_for(tier.serve(), 20)
     text = str(info.value)
     assert text.startswith(f"s3 tier 's3': bucket {name!r} at {moto.endpoint}{problem}")
     assert "not reachable" not in text and SECRET_KEY not in text
@@ -714,8 +715,8 @@ async def test_server_killed_and_restarted_during_a_replay(
     tiers: list[S3Tier] = []
     build = kc.Cascade.__init__
 
-    def capture(self: kc.Cascade, config: kc.CascadeConfig) -> None:
-        build(self, config)
+    def capture(self: kc.Cascade, config: kc.CascadeConfig, **kwargs: object) -> None:
+        build(self, config, **kwargs)
         tiers.extend(t for t in self.tiers if isinstance(t, S3Tier))
 
     monkeypatch.setattr(kc.Cascade, "__init__", capture)

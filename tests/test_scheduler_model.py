@@ -166,7 +166,7 @@ class SchedulerModel(RuleBasedStateMachine):
         self.tier = RecordingTier(self.host, "mem")
         self.tier.on_landed = self._landed
         started = asyncio.Event()
-        self.actors.append(self.loop.create_task(self.tier.run(started.set)))
+        self.actors.append(self.loop.create_task(self.tier.serve(started.set)))
         self.run(started.wait())
         self.coord = kc.TieringCoordinator(self.primary, [self.tier])
         self.sched = OffloadScheduler(SchedulerConfig((GroupSpec(T),), T), self.coord)

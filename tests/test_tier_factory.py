@@ -104,7 +104,7 @@ class CountingTier(kc.MemoryTier):
 
 async def run_tier(tier: kc.SecondaryTier) -> asyncio.Task[None]:
     started = asyncio.Event()
-    task = asyncio.create_task(tier.run(started.set))
+    task = asyncio.create_task(tier.serve(started.set))
     await started.wait()
     return task
 

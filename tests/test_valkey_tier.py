@@ -29,8 +29,9 @@ from kvcascade.coordinator import TieringCoordinator
 from kvcascade.index.cpu import CPUOffloadingManager
 from kvcascade.metrics import TieringMetrics
 from kvcascade.tiers import valkey as valkey_module
+from kvcascade.tiers._block_format import HEADER_BYTES, encode_header, file_size
 from kvcascade.tiers._file_mapper import FileMapper, default_identity
-from kvcascade.tiers.fs import HEADER_BYTES, FileSystemTier, encode_header, file_size
+from kvcascade.tiers.fs import FileSystemTier
 from kvcascade.tiers.registry import TierContext, create_secondary_tier
 from kvcascade.tiers.valkey import ValkeyTier, valkey_tier_from_config
 
@@ -110,7 +111,7 @@ async def test_startup_fails_naming_the_server_when_unreachable(host: kc.HostBuf
     url = f"redis://127.0.0.1:{free_port()}"
     tier = make_tier(url, host, max_attempts=1, connect_timeout_s=0.5)
     with pytest.raises(kc.TierUnavailableError, match=f"{url}.*ConnectionError"):
-        await asyncio.wait_for(tier.run(), 10)
+        await asyncio.wait_for(tier.serve(), 10)
     assert tier._client is None
 
 

@@ -22,6 +22,7 @@ from .._types import (
     ReqContext,
     RequestOffloadingContext,
 )
+from .._validate import is_int
 from ..policies.base import BlockStatus, CachePolicy
 from ..policies.registry import resolve_cache_policy
 
@@ -115,7 +116,7 @@ class CPUOffloadingManager:
         enable_events: bool = False,
         cache_policy_module_path: str | None = None,
     ) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
+        if not is_int(num_blocks):
             raise ConfigError(f"num_blocks must be an int, got {num_blocks!r}")
         if num_blocks < 0:
             raise ConfigError(f"num_blocks must be >= 0, got {num_blocks}")
@@ -169,7 +170,7 @@ class CPUOffloadingManager:
         block = self._get(key)
         if block is None:
             return _MISS
-        if block.ref_cnt < 0:
+        if not block.is_ready:
             self._pending_hits += 1
             return _HIT_PENDING
         self._hits += 1
@@ -189,7 +190,7 @@ class CPUOffloadingManager:
         get = self._get
         blocks = [get(key) for key in keys]
         for key, block in zip(keys, blocks):
-            if block is None or block.ref_cnt < 0:
+            if block is None or not block.is_ready:
                 raise KeyError(f"prepare_load of a key that is not readable: {key!r}")
         mark = self._policy.mark_non_evictable
         for key, block in zip(keys, blocks):
@@ -314,7 +315,7 @@ class CPUOffloadingManager:
         stored: list[bytes] = []
         for key in keys:
             block = get(key)
-            if block is None or block.ref_cnt != -1:
+            if block is None or block.is_ready:
                 continue
             self.num_write_pending -= 1
             if success:
@@ -360,7 +361,7 @@ class CPUOffloadingManager:
         reported), or None when ``key`` has no write in flight.
         """
         block = self._get(key)
-        if block is None or block.ref_cnt != -1:
+        if block is None or block.is_ready:
             return None
         self._policy.remove(key)
         self.num_write_pending -= 1

@@ -19,6 +19,8 @@ import json
 import os
 from pathlib import Path
 
+from .._validate import is_int
+
 #: CPU→GPU loads use the Triton kernel only when the largest page is below this many bytes.
 TRITON_MAX_PAGE_BYTES = 28 * 1024
 #: GPU→CPU stores use the Triton kernel only for pages below this many bytes; 0 (vLLM's rule):
@@ -76,11 +78,7 @@ def load_settings(path: Path | str | None = None) -> KernelSettings:
         value = raw[field.name]
         if field.name == "provenance":
             values[field.name] = str(value)
-        elif (
-            isinstance(value, bool)
-            or not isinstance(value, int)
-            or value < (0 if field.name == "triton_max_store_page_bytes" else 1)
-        ):
+        elif not is_int(value) or value < (0 if field.name == "triton_max_store_page_bytes" else 1):
             kind = "a non-negative" if field.name == "triton_max_store_page_bytes" else "a positive"
             raise ValueError(f"kernel setting {field.name} in {p} must be {kind} int: {value!r}")
         else:

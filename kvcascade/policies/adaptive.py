@@ -93,7 +93,7 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
         real = 0
         for key in keys:
             entry = blocks.get(key)
-            if entry is None or entry.block.ref_cnt < 0:
+            if entry is None or not entry.block.is_ready:
                 break
             real += 1
         shadow = self._shadow

@@ -98,7 +98,7 @@ class ARCCachePolicy(CachePolicy):
         for key in reversed(as_sequence(keys)):
             block = t1.get(key)
             if block is not None:
-                if block.ref_cnt < 0:
+                if not block.is_ready:
                     t1.move_to_end(key)
                 else:
                     del t1[key]

@@ -48,7 +48,6 @@ Memory per resident block one entry (≈ 200 B) and per directory key one entry 
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import json
 import math
@@ -58,6 +57,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
+from .._atomic import replace_file
 from .._types import ReqContext
 from ..hints import MAX_PRIORITY, hint_of
 from .base import BlockStatus, CachePolicy, as_sequence
@@ -692,19 +692,7 @@ class TurnAwareCachePolicy(CachePolicy):
         Raises:
             OSError: the file cannot be written (the temp file is removed).
         """
-        target = os.fspath(path)
-        tmp = f"{target}.{os.getpid()}.tmp"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                json.dump(self.state(), handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        replace_file(path, json.dumps(self.state()).encode(), fsync=True)
 
     def load_state(self, path: str | os.PathLike[str]) -> None:
         """Replace the learned statistics with those saved by :meth:`save_state`.

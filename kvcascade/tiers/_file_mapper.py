@@ -27,9 +27,7 @@ from typing import Any
 
 from .._errors import ConfigError
 from .._keys import split_offload_key
-
-FORMAT_VERSION = 2
-"""kvcascade's on-disk block format (header layout, :mod:`kvcascade.tiers.fs`); in the digest."""
+from ._block_format import FORMAT_VERSION
 
 
 class FileMapper:

@@ -14,6 +14,7 @@ import mmap
 import torch
 
 from .._errors import ConfigError
+from .._validate import check_int
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +89,8 @@ class HostBuffer:
     """
 
     def __init__(self, num_blocks: int, block_bytes: int) -> None:
-        for name, value, low in (("num_blocks", num_blocks, 0), ("block_bytes", block_bytes, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
+        check_int("num_blocks", num_blocks, 0)
+        check_int("block_bytes", block_bytes, 1)
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
         self.row_bytes = round_up(block_bytes, PAGE_SIZE)

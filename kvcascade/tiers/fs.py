@@ -5,15 +5,11 @@ Layout (spec §4.1, same path formula as vLLM's ``FileMapper``)::
     <root_dir>/<model>_<digest12>/config.json                       the namespace identity
     <root_dir>/<model>_<digest12>_r<rank>/<hhh>/<hh>_g<group>/<hex>.bin
 
-File format v2 (``FORMAT_VERSION``, also in the namespace digest): a header of
-:data:`HEADER_BYTES` (4096) bytes whose first 32 are little-endian ``magic b"KVCB" |
-version u16 | flags u16 (0) | payload length u64 | xxh3-64 of the payload u64 | xxh3-64 of the
-offload key u64``, the rest zero; then the payload (the block's KV bytes) padded with the
-primary row's padding to a multiple of 4096 bytes. The header is padded to 4096 bytes so that
-every I/O is aligned in file offset, memory address (primary rows and the per-thread header
-buffer are page-aligned ``mmap`` memory) and length, by construction: O_DIRECT can then be used
-wherever the filesystem accepts it. The cost is 4 KiB per file (6 % of a 64 KiB block, 0.1 % of
-a 4 MiB one).
+File format: :mod:`kvcascade.tiers._block_format` (a 4096-byte header, then the payload padded
+with the primary row's padding to a multiple of 4096 bytes), so that every I/O is aligned in file
+offset, memory address (primary rows and the per-thread header buffer are page-aligned ``mmap``
+memory) and length: O_DIRECT can then be used wherever the filesystem accepts it. The cost is
+4 KiB per file (6 % of a 64 KiB block, 0.1 % of a 4 MiB one).
 
 I/O (same rules as vLLM's fs tier, spec §4.3): O_DIRECT is probed once per namespace directory at
 construction (one aligned page written to a probe file); any error (overlayfs, old tmpfs, some
@@ -38,7 +34,8 @@ commit (mtime, close, rename); loads as open → read + verify. Where a read or 
 the CPU cache. Same files, same checks, same failure outcomes as the pure-Python path, which runs
 while the extension builds, if it cannot build, or with ``compiled_io=False``.
 
-Capacity: with ``max_bytes`` the tier keeps an LRU index of its files (access recorded on load,
+Capacity: with ``max_bytes`` the tier keeps an LRU index of its files
+(:class:`~kvcascade.tiers._capacity.CapacityIndex`; access recorded on load,
 on a store of a key already present, and on :meth:`FileSystemTier.touch`); a store that would
 exceed ``max_bytes`` first deletes the least recently used files (``counters["evictions"]``,
 one removal event per store batch). Files being read are skipped by eviction; a load of a file
@@ -47,7 +44,7 @@ index when a probe, load or store of its key finds it gone. ``max_bytes`` counts
 (header and padding included). Without ``max_bytes`` files accumulate, as in vLLM.
 
 Restart: a new tier on an existing directory serves the files there. At start-up (inside
-:meth:`~kvcascade.tiers.base.SecondaryTier.run`, on an I/O thread) it scans its namespace
+:meth:`~kvcascade.tiers.base.SecondaryTier.serve`, on an I/O thread) it scans its namespace
 directory: temp files of a dead process, or older than ``io_timeout_s``, are deleted, and with
 ``max_bytes`` the index is rebuilt (recency = file modification time in ns, which a bounded
 tier sets from a strictly increasing clock, :meth:`FileSystemTier._stamps`) and trimmed to the
@@ -58,9 +55,9 @@ Permissions: directories are created 0700 and files 0600 (KV bytes reveal prompt
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import errno
+import functools
 import json
 import logging
 import mmap
@@ -68,7 +65,6 @@ import os
 import random
 import secrets
 import stat
-import struct
 import threading
 import time
 from collections.abc import Collection, Iterable, Sequence
@@ -77,25 +73,29 @@ from types import ModuleType
 from typing import Any, NoReturn
 
 import numpy as np
-import xxhash
 
+from .._atomic import replace_file
 from .._errors import ConfigError, CorruptBlockError, TransferError
 from .._keys import make_offload_key
 from .._types import OffloadingEvent
+from .._validate import config_int, config_seconds
 from ..ops import _build
 from ..ops.swap import _checked
-from ._file_mapper import FORMAT_VERSION, FileMapper
+from ._block_format import (
+    ALIGN,
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    check_block,
+    encode_header,
+    file_size,
+)
+from ._capacity import CapacityIndex
+from ._file_mapper import FileMapper
 from .base import SecondaryTier
 from .cpu import PAGE_SIZE, HostBuffer, round_up
 
 log = logging.getLogger(__name__)
 
-ALIGN = 4096
-"""Alignment in bytes of the header, the payload region and every I/O."""
-HEADER_BYTES = ALIGN
-"""Bytes before the payload in a block file."""
-_HEADER = struct.Struct("<4sHHQQQ")
-_MAGIC = b"KVCB"
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _TMPFS_MAGIC = 0x01021994
 """``statfs`` ``f_type`` of tmpfs: O_DIRECT there is still a CPU copy, so I/O is fused."""
@@ -113,42 +113,6 @@ _OS_ERROR, _CORRUPT = 3, 4  # error kinds of the fs ops (kernels/kvc_result.h)
 
 if PAGE_SIZE % ALIGN:
     raise ImportError(f"page size {PAGE_SIZE} is not a multiple of {ALIGN}")
-
-
-def file_size(payload_bytes: int) -> int:
-    """Size in bytes of the block file of a ``payload_bytes`` block (header + padded payload)."""
-    return HEADER_BYTES + round_up(payload_bytes, ALIGN)
-
-
-def encode_header(key: bytes, payload: memoryview | bytes, out: memoryview) -> None:
-    """Write the header fields of ``payload`` stored under ``key`` into ``out[:32]``."""
-    _HEADER.pack_into(
-        out,
-        0,
-        _MAGIC,
-        FORMAT_VERSION,
-        0,
-        len(payload),
-        xxhash.xxh3_64_intdigest(payload),
-        xxhash.xxh3_64_intdigest(key),
-    )
-
-
-def check_block(key: bytes, header: memoryview | bytes, payload: memoryview, path: str) -> None:
-    """Verify a header read from ``path`` against ``key`` and the payload that followed it.
-
-    Raises:
-        CorruptBlockError: wrong magic, version, length or key, or a checksum mismatch.
-    """
-    magic, version, _flags, length, digest, key_digest = _HEADER.unpack_from(header)
-    if magic != _MAGIC or version != FORMAT_VERSION:
-        raise CorruptBlockError(f"{path}: not a kvcascade v{FORMAT_VERSION} block file")
-    if length != len(payload):
-        raise CorruptBlockError(f"{path}: payload is {length} bytes, expected {len(payload)}")
-    if key_digest != xxhash.xxh3_64_intdigest(key):
-        raise CorruptBlockError(f"{path}: holds another key's block")
-    if xxhash.xxh3_64_intdigest(payload) != digest:
-        raise CorruptBlockError(f"{path}: checksum mismatch")
 
 
 def compiled_fs_io() -> ModuleType | None:
@@ -258,14 +222,9 @@ class FileSystemTier(SecondaryTier):
         self.data_dir.mkdir(mode=0o700, exist_ok=True)
         self.o_direct = o_direct and probe_o_direct(self.data_dir)
         self._flags = _O_DIRECT if self.o_direct else 0
-        self._lock = threading.Lock()
-        self._index: collections.OrderedDict[bytes, int] | None = (
-            collections.OrderedDict() if max_bytes is not None else None
-        )
-        self._used = 0
+        self._lock = threading.Lock()  # guards _last_stamp
+        self._index = CapacityIndex(max_bytes) if max_bytes is not None else None
         self._last_stamp = 0  # the latest mtime (ns since the epoch) given to a new file
-        self._readers: collections.Counter[bytes] = collections.Counter()
-        self._evicting: set[bytes] = set()
         self._buffers = threading.local()
         self._pid = os.getpid()
         self._span = round_up(host.block_bytes, ALIGN)
@@ -286,11 +245,7 @@ class FileSystemTier(SecondaryTier):
                 raise ConfigError(f"{path} exists and is not a regular file")
             existing = json.loads(path.read_text())
         except FileNotFoundError:
-            tmp = f"{path}_{os.getpid()}_{secrets.randbits(63)}.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump(identity, f, indent=2, sort_keys=True)
-            os.replace(tmp, path)
+            replace_file(path, json.dumps(identity, indent=2, sort_keys=True).encode())
             return
         except ValueError as exc:
             raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
@@ -300,7 +255,7 @@ class FileSystemTier(SecondaryTier):
     @property
     def used_bytes(self) -> int:
         """Bytes of block files accounted by the LRU index (0 when ``max_bytes`` is None)."""
-        return self._used
+        return self._index.used if self._index is not None else 0
 
     def path_of(self, key: bytes) -> str:
         """Absolute path of the block file of ``key``."""
@@ -360,11 +315,9 @@ class FileSystemTier(SecondaryTier):
         if self._index is None:
             return
         found.sort()  # oldest first; equal times (files of older versions) in key order
-        with self._lock:
-            for _, key, size in found:
-                self._index[key] = size
-                self._used += size
-            if found:  # new files are stamped after every file found, whatever the clock does
+        self._index.add((key, size) for _, key, size in found)
+        if found:  # new files are stamped after every file found, whatever the clock does
+            with self._lock:
                 self._last_stamp = max(self._last_stamp, found[-1][0])
         self._evict_and_reserve(0)
 
@@ -383,42 +336,25 @@ class FileSystemTier(SecondaryTier):
 
     # -- capacity --------------------------------------------------------------------------
     def _evict_and_reserve(self, size: int) -> bool:
-        """Account ``size`` more bytes, first deleting LRU files to stay within ``max_bytes``.
+        """Account ``size`` more bytes, first deleting LRU files to stay within ``max_bytes``
+        (:meth:`CapacityIndex.reserve`).
 
-        Returns False (nothing reserved) when ``size`` cannot fit even after eviction.
+        Returns False (nothing reserved, nothing deleted) when ``size`` cannot fit even after
+        eviction.
         """
-        if self._index is None or self.max_bytes is None:
+        if self._index is None:
             return True
-        if size > self.max_bytes:
+        victims = self._index.reserve(size)
+        if victims is None:
             return False
-        victims: list[tuple[bytes, int]] = []
-        with self._lock:
-            need = self._used + size - self.max_bytes
-            if need > 0:
-                for key, file_bytes in self._index.items():
-                    if need <= 0:
-                        break
-                    if self._readers[key] or key in self._evicting:
-                        continue
-                    victims.append((key, file_bytes))
-                    need -= file_bytes
-                for key, file_bytes in victims:
-                    del self._index[key]
-                    self._used -= file_bytes
-                    self._evicting.add(key)
-            ok = need <= 0
-            if ok:
-                self._used += size
         if victims:
-            for key, _ in victims:
+            for key in victims:
                 _unlink_quietly(self.path_of(key))  # a file already gone counts as removed
-            with self._lock:
-                self._evicting.difference_update(k for k, _ in victims)
+            self._index.evicted(victims)
+            with self._counters_lock:
                 self.counters["evictions"] += len(victims)
-            self._events.append(
-                OffloadingEvent([k for k, _ in victims], self.medium, True, self.name)
-            )
-        return ok
+            self._events.append(OffloadingEvent(victims, self.medium, True, self.name))
+        return True
 
     def _stamps(self, n: int) -> int:
         """The first of ``n`` consecutive modification times (ns since the epoch) for files
@@ -434,22 +370,12 @@ class FileSystemTier(SecondaryTier):
 
     def _unreserve(self, size: int) -> None:
         if self._index is not None:
-            with self._lock:
-                self._used -= size
+            self._index.unreserve(size)
 
     def _record(self, key: bytes, size: int, reserved: bool) -> None:
         """``key`` holds a ``size``-byte file and was just used: most recently used."""
-        if self._index is None:
-            return
-        with self._lock:
-            if key in self._index:
-                self._index.move_to_end(key)
-                if reserved:
-                    self._used -= size
-            else:
-                self._index[key] = size
-                if not reserved:
-                    self._used += size
+        if self._index is not None:
+            self._index.record(key, size, reserved)
 
     def _forget(self, key: bytes) -> None:
         """Drop ``key`` from the size index: its file was found gone (deleted from outside the
@@ -458,31 +384,23 @@ class FileSystemTier(SecondaryTier):
         key) is indexed again, so the index never loses a file it must count."""
         if self._index is None:
             return
-        with self._lock:
-            size = self._index.pop(key, None)
-            if size is None:
-                return
-            self._used -= size
-        if os.path.exists(self.path_of(key)):
-            self._record(key, size, reserved=False)
+        size = self._index.forget(key)
+        if size is not None and os.path.exists(self.path_of(key)):
+            self._index.record(key, size)
+
+    def _discard(self, key: bytes) -> None:
+        """Delete ``key``'s file (an error is logged only) and forget it."""
+        _unlink_quietly(self.path_of(key))
+        self._forget(key)
 
     def _stored_event_keys(self, keys: Sequence[bytes]) -> list[bytes]:
-        if self._index is None:
-            return list(keys)
-        with self._lock:
-            return [k for k in keys if k in self._index]
+        return list(keys) if self._index is None else self._index.present(keys)
 
     def touch(self, keys: Collection[bytes]) -> None:
         """Mark ``keys`` most recently used, the last one most (vLLM's touch recency; only with
-        ``max_bytes``). Keys given without an order (a set) are refreshed in key order, so that
-        eviction never depends on the iteration order of a set (PYTHONHASHSEED)."""
-        if self._index is None:
-            return
-        ordered = keys if isinstance(keys, Sequence) else sorted(keys)
-        with self._lock:
-            for key in ordered:
-                if key in self._index:
-                    self._index.move_to_end(key)
+        ``max_bytes``; :meth:`CapacityIndex.touch`)."""
+        if self._index is not None:
+            self._index.touch(keys)
 
     # -- blocking movers -------------------------------------------------------------------
     def _compiled(self, rows: Sequence[memoryview]) -> ModuleType | None:
@@ -741,14 +659,10 @@ class FileSystemTier(SecondaryTier):
         failure: tuple[int, Exception] | None = None
         limit = len(batch)  # blocks [0, limit) are read
         if self._index is not None:  # readers matter only when files can be evicted
-            with self._lock:
-                for j, key in enumerate(batch):
-                    if key in self._evicting:
-                        path = self.path_of(key)
-                        failure = (j, FileNotFoundError(errno.ENOENT, "evicted", path))
-                        limit = j
-                        break
-                    self._readers[key] += 1
+            limit = self._index.begin_reads(batch)
+            if limit < len(batch):
+                path = self.path_of(batch[limit])
+                failure = (limit, FileNotFoundError(errno.ENOENT, "evicted", path))
         tracked = limit if self._index is not None else 0
         try:
             fds, kind, message = ext.fs_load_open(self._data_prefix, batch[:limit], self._flags)
@@ -776,12 +690,8 @@ class FileSystemTier(SecondaryTier):
             else:
                 failure = _failure(done, kind, message) or failure
         finally:
-            if tracked:
-                with self._lock:
-                    for key in batch[:tracked]:
-                        self._readers[key] -= 1
-                        if not self._readers[key]:
-                            del self._readers[key]
+            if self._index is not None and tracked:
+                self._index.end_reads(batch[:tracked])
         if self._index is not None:
             for key in batch[: len(done)]:
                 self._record(key, HEADER_BYTES + self._span, reserved=False)
@@ -789,11 +699,7 @@ class FileSystemTier(SecondaryTier):
             return len(done) * self.host.block_bytes
         i, exc = failure
         if isinstance(exc, CorruptBlockError):
-            with self._lock:
-                self.counters["corrupt_blocks"] += 1
-            log.warning("fs tier: %s; file deleted, block treated as a miss", exc)
-            _unlink_quietly(self.path_of(batch[i]))
-            self._forget(batch[i])
+            self._corrupt(exc, functools.partial(self._discard, batch[i]))
             raise TransferError(str(exc), keys[: lo + i]) from exc
         if isinstance(exc, FileNotFoundError):
             self._forget(batch[i])
@@ -809,11 +715,7 @@ class FileSystemTier(SecondaryTier):
             try:
                 read += self._load_one(key, path, row)
             except CorruptBlockError as exc:
-                with self._lock:
-                    self.counters["corrupt_blocks"] += 1
-                log.warning("fs tier: %s; file deleted, block treated as a miss", exc)
-                _unlink_quietly(path)
-                self._forget(key)
+                self._corrupt(exc, functools.partial(self._discard, key))
                 raise TransferError(str(exc), keys[:i]) from exc
             except OSError as exc:
                 if isinstance(exc, FileNotFoundError):
@@ -826,12 +728,9 @@ class FileSystemTier(SecondaryTier):
     def _load_one(self, key: bytes, path: str, row: memoryview) -> int:
         size = HEADER_BYTES + len(row)
         header = self._header_buffer()
-        tracked = self._index is not None  # readers matter only when files can be evicted
-        if tracked:
-            with self._lock:
-                if key in self._evicting:
-                    raise FileNotFoundError(errno.ENOENT, "evicted", path)
-                self._readers[key] += 1
+        index = self._index  # readers matter only when files can be evicted
+        if index is not None and not index.begin_reads([key]):
+            raise FileNotFoundError(errno.ENOENT, "evicted", path)
         try:
             fd = os.open(path, os.O_RDONLY | self._flags)
             try:
@@ -847,11 +746,8 @@ class FileSystemTier(SecondaryTier):
             finally:
                 os.close(fd)
         finally:
-            if tracked:
-                with self._lock:
-                    self._readers[key] -= 1
-                    if not self._readers[key]:
-                        del self._readers[key]
+            if index is not None:
+                index.end_reads([key])
         self._record(key, size, reserved=False)
         return len(payload)
 
@@ -1028,18 +924,13 @@ def check_fs_tier_config(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any
         raise ConfigError("fs tier needs 'root_dir' (a directory path)")
 
     def integer(key: str, default: int) -> int:
-        value = cfg.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"fs tier {key} must be an int >= 1, got {value!r}")
-        return value
+        return config_int(cfg, key, default, "fs tier")
 
     if "io_threads" in cfg:
         threads = integer("io_threads", 4)
     else:
         threads = integer("n_read_threads", 2) + integer("n_write_threads", 2)
-    timeout = cfg.get("io_timeout_s", 30.0)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ConfigError(f"fs tier io_timeout_s must be a number > 0, got {timeout!r}")
+    timeout = config_seconds(cfg, "io_timeout_s", 30.0, "fs tier")
     for key in ("cache_salt", "name"):
         if key in cfg and not isinstance(cfg[key], str):
             raise ConfigError(f"fs tier {key} must be a string, got {cfg[key]!r}")
@@ -1053,7 +944,7 @@ def check_fs_tier_config(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any
         "root_dir": root,
         "name": cfg.get("name", "fs"),
         "io_threads": threads,
-        "io_timeout_s": float(timeout),
+        "io_timeout_s": timeout,
         "max_queued_jobs": integer("max_queued_jobs", 1024),
         "max_bytes": max_bytes,
     }

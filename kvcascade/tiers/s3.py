@@ -3,10 +3,11 @@
 Object key of a block: ``<prefix>/`` + the fs tier's relative path
 (:meth:`~kvcascade.tiers._file_mapper.FileMapper.relative_path`), i.e.
 ``<prefix>/<model>_<digest12>_r<rank>/<hhh>/<hh>_g<group>/<hex>.bin``, never with ``//`` nor a
-leading ``/`` (vLLM's obj tier has both, spec §4.5, §10). Object bytes are the fs tier's block file
-format v2 (:mod:`kvcascade.tiers.fs`): a 4096-byte header (magic, version, payload length, xxh3
-of the payload and of the key), the payload, zero padding to a multiple of 4096 bytes, so block
-files copied between a bucket and an fs ``root_dir`` (``aws s3 sync``) are served by either tier.
+leading ``/`` (vLLM's obj tier has both, spec §4.5, §10). Object bytes are the block file
+format of :mod:`kvcascade.tiers._block_format` (a 4096-byte header: magic, version, payload
+length, xxh3 of the payload and of the key; the payload; zero padding to a multiple of 4096
+bytes), so block files copied between a bucket and an fs ``root_dir`` (``aws s3 sync``) are
+served by either tier.
 
 Transport: one aiobotocore client per tier, created in the actor's start-up and closed at its
 end, with a connection pool of ``max_concurrency`` connections; an :class:`asyncio.Semaphore` of
@@ -27,21 +28,23 @@ mode with ``max_attempts`` attempts in all.
   tier's throughput on plain-HTTP endpoints.
 * **Load** (per block): ``GetObject`` whose body is read into the header buffer and straight into
   the primary row, length checked, then header, key digest and checksum verified
-  (:func:`~kvcascade.tiers.fs.check_block`). A body is read to its end or closed on every path,
-  cancellation included, so no connection leaks from the pool (aiobotocore #1061). A corrupt
-  object is deleted and counted (``counters["corrupt_blocks"]``).
+  (:func:`~kvcascade.tiers._block_format.check_block`). A body is read to its end or closed on
+  every path, cancellation included, so no connection leaks from the pool (aiobotocore #1061).
+  A corrupt object is deleted and counted (``counters["corrupt_blocks"]``).
 * **Lookup**: vLLM's async lookup (spec §3.12) over concurrent ``HeadObject`` requests; keys this
   tier stored, loaded or found are remembered (an LRU index) and answer ``HIT`` without a request.
   A probe error answers ``MISS``.
-* **Capacity** (``max_bytes``): the index doubles as the LRU of the objects this tier knows; a
-  store that would exceed the bound first deletes the least recently used objects
-  (``counters["evictions"]``, one removal event per store). Objects being read are skipped.
+* **Capacity** (``max_bytes``): the index (:class:`~kvcascade.tiers._capacity.CapacityIndex`)
+  doubles as the LRU of the objects this tier knows; a store that would exceed the bound first
+  deletes the least recently used objects (``counters["evictions"]``, one removal event per
+  store). Objects being read are skipped.
 * **Degradation**: no answer from the endpoint (after botocore's retries: refused, connect or
-  read timeout, connection closed; classified in one place, :data:`_MEANINGS`) marks it down
-  for :data:`DOWN_RETRY_S` seconds: probes answer ``MISS``, stores are dropped
-  (``counters["store_dropped_blocks"]``) and loads fail, all without a request; the first request
-  after that window tries again and any answer marks the endpoint up. Jobs in flight fail at their
-  deadline (``io_timeout_s``). No restart is needed.
+  read timeout, connection closed; classified in one place, :data:`_MEANINGS`, translated by
+  :class:`~kvcascade.tiers._backend.Backend`) marks it down for :data:`DOWN_RETRY_S` seconds:
+  probes answer ``MISS``, stores are dropped (``counters["store_dropped_blocks"]``) and loads
+  fail, all without a request; the first request after that window tries again and any answer
+  marks the endpoint up. Jobs in flight fail at their deadline (``io_timeout_s``). No restart is
+  needed.
 
 Credentials come from ``access_key``/``secret_key``/``session_token`` when given, else from
 botocore's default chain (environment, shared files, instance metadata). No secret appears in a
@@ -51,16 +54,14 @@ log line, an exception or a ``repr``.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import datetime
-import enum
+import functools
 import logging
 import math
 import re
-import time
 import urllib.parse
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import aiobotocore.session
@@ -87,10 +88,13 @@ from .._errors import (
     TransferError,
 )
 from .._types import OffloadingEvent
+from .._validate import config_int, config_seconds, is_number
+from ._backend import Backend, Meaning, NotFoundError
+from ._block_format import HEADER_BYTES, check_block, encode_header, file_size
+from ._capacity import CapacityIndex
 from ._file_mapper import FileMapper
 from .base import SecondaryTier, gather_blocks
 from .cpu import HostBuffer
-from .fs import HEADER_BYTES, check_block, encode_header, file_size
 
 log = logging.getLogger(__name__)
 
@@ -107,36 +111,25 @@ MAX_KNOWN_KEYS = 1 << 20
 _ZEROS = memoryview(bytes(HEADER_BYTES))
 
 
-class _Meaning(enum.Enum):
-    """What a backend exception says about the endpoint (:data:`_MEANINGS`)."""
-
-    ANSWERED = "the endpoint answered with an S3 error"
-    DOWN = "the endpoint could not be reached"
-    FAILED = "this request failed; the endpoint is not known to be down"
-
-
-_MEANINGS: tuple[tuple[type[Exception], _Meaning], ...] = (
+_MEANINGS: tuple[tuple[type[Exception], Meaning], ...] = (
     # S3 answered: a 4xx, or a 5xx / throttling left after botocore's retries.
-    (ClientError, _Meaning.ANSWERED),
+    (ClientError, Meaning.ANSWERED),
     # The connection failed or stalled in the middle of a response body: the endpoint answered.
-    (ResponseStreamingError, _Meaning.FAILED),
-    (AioReadTimeoutError, _Meaning.FAILED),
+    (ResponseStreamingError, Meaning.FAILED),
+    (AioReadTimeoutError, Meaning.FAILED),
     # No answer on any attempt: refused, DNS, connect timeout, TLS or proxy failure
     # (botocore's ConnectionError family), no response within read_timeout_s, or the connection
     # closed before a response.
-    (BotoConnectionError, _Meaning.DOWN),
-    (ReadTimeoutError, _Meaning.DOWN),
-    (ConnectionClosedError, _Meaning.DOWN),
+    (BotoConnectionError, Meaning.DOWN),
+    (ReadTimeoutError, Meaning.DOWN),
+    (ConnectionClosedError, Meaning.DOWN),
     # Anything else from botocore or aiohttp: an answer botocore cannot parse, a broken body.
-    (BotoCoreError, _Meaning.FAILED),
-    (aiohttp.ClientError, _Meaning.FAILED),
+    (BotoCoreError, Meaning.FAILED),
+    (aiohttp.ClientError, Meaning.FAILED),
 )
-"""Backend exception type → what it means to the tier, first match wins; read only by
-:meth:`S3Tier._backend` (the model is httpx's ``map_httpcore_exceptions``)."""
-
-
-class _NotFound(TransferError):
-    """S3 answered that the object or upload is not there (404, ``NoSuchKey``, ``NoSuchUpload``)."""
+"""Backend exception type → what it means to the tier, first match wins; read only by the
+tier's :class:`~kvcascade.tiers._backend.Backend` (the model is httpx's
+``map_httpcore_exceptions``)."""
 
 
 class _Credentials:
@@ -239,7 +232,7 @@ _BUCKET_RULE = "3-63 lowercase letters, digits, dots or hyphens, starting and en
 
 
 def _startup_problem(bucket: str, exc: BaseException) -> str:
-    """What the start-up ``HeadBucket`` failure ``exc`` (raised by :meth:`S3Tier._backend`)
+    """What the start-up ``HeadBucket`` failure ``exc`` (translated by :meth:`Backend.translate`)
     says is wrong, in words: no credentials (botocore found none), invalid bucket name (refused
     by botocore's check or answered ``400`` / ``InvalidBucketName``), bucket does not exist
     (``404``; a name outside S3's naming rules is said to be one), credentials refused
@@ -253,7 +246,7 @@ def _startup_problem(bucket: str, exc: BaseException) -> str:
         )
     if isinstance(cause, ParamValidationError) or code in ("400", "InvalidBucketName"):
         return f"invalid bucket name (S3 bucket names are {_BUCKET_RULE})"
-    if isinstance(exc, _NotFound) or code == "NoSuchBucket":
+    if isinstance(exc, NotFoundError) or code == "NoSuchBucket":
         if not _BUCKET_NAME.fullmatch(bucket):
             return f"bucket does not exist, and its name is invalid ({_BUCKET_RULE})"
         return "bucket does not exist"
@@ -339,11 +332,7 @@ class S3Tier(SecondaryTier):
             raise ConfigError("s3 connect_timeout_s and read_timeout_s must be > 0")
         if max_bytes is not None and max_bytes <= 0:
             raise ConfigError(f"s3 tier max_bytes must be > 0, got {max_bytes}")
-        if (
-            isinstance(orphan_upload_age_s, bool)
-            or not isinstance(orphan_upload_age_s, (int, float))
-            or not 0 <= orphan_upload_age_s < math.inf
-        ):
+        if not is_number(orphan_upload_age_s) or not 0 <= orphan_upload_age_s < math.inf:
             raise ConfigError(
                 "s3 tier orphan_upload_age_s must be a number >= 0 (seconds), "
                 f"got {orphan_upload_age_s!r}"
@@ -375,18 +364,24 @@ class S3Tier(SecondaryTier):
         self._sem = asyncio.Semaphore(max_concurrency)
         self._stack = contextlib.AsyncExitStack()
         self._client: Any = None
-        self._down_until = 0.0
+        self._backend = Backend(
+            name,
+            "s3",
+            "endpoint",
+            self.endpoint,
+            _MEANINGS,
+            DOWN_RETRY_S,
+            code=_error_code,
+            not_found=_is_not_found,
+        )
         # key → object bytes, least recently used first: the keys known to be in the bucket.
-        self._known: collections.OrderedDict[bytes, int] = collections.OrderedDict()
-        self._used = 0
-        self._readers: collections.Counter[bytes] = collections.Counter()
-        self._evicting: set[bytes] = set()
+        self._known = CapacityIndex(max_bytes, max_keys=MAX_KNOWN_KEYS)
         self._aborts: set[asyncio.Task[bool]] = set()
 
     @property
     def used_bytes(self) -> int:
         """Bytes of the objects in the index (0 when ``max_bytes`` is None)."""
-        return self._used
+        return self._known.used
 
     def object_key(self, key: bytes) -> str:
         """The object key of ``key``: ``<prefix>/<relative path>`` (no ``//``, no leading ``/``)."""
@@ -434,7 +429,7 @@ class S3Tier(SecondaryTier):
         )
         orphans: list[tuple[str, str]] = []
         try:
-            with self._backend("list_multipart_uploads"):
+            with self._backend.translate("list_multipart_uploads"):
                 pages = self._client.get_paginator("list_multipart_uploads")
                 async for page in pages.paginate(Bucket=self.bucket, Prefix=root + "/"):
                     orphans += [
@@ -468,129 +463,31 @@ class S3Tier(SecondaryTier):
         await self._stack.aclose()
         self._client = None
 
-    # -- availability --------------------------------------------------------------------
-    def _available(self) -> bool:
-        return time.monotonic() >= self._down_until
-
+    # -- requests (through the Backend boundary) ----------------------------------------
     async def _send(self, op: str, **params: Any) -> dict[str, Any]:
         """One S3 request (caller holds the semaphore), refused without a request while the
         endpoint is marked down.
 
         Raises:
             TierUnavailableError: the endpoint is marked down, or was found unreachable now.
-            TransferError: the request failed after botocore's retries (:meth:`_backend`).
+            NotFoundError: S3 answered that the object or upload is not there.
+            TransferError: the request failed after botocore's retries.
         """
-        if not self._available():
-            raise TierUnavailableError(f"s3 endpoint {self.endpoint} is down")
+        self._backend.check_available()
         return await self._request(op, **params)
 
     async def _request(self, op: str, **params: Any) -> dict[str, Any]:
-        """One S3 request ``op`` on the bucket, through :meth:`_backend`; an answer marks the
-        endpoint up. Errors: as :meth:`_send`, without the check of a down endpoint."""
-        with self._backend(op):
+        """One S3 request ``op`` on the bucket through :meth:`Backend.translate`. Errors: as
+        :meth:`_send`, without the check of a down endpoint."""
+        with self._backend.translate(op):
             response: dict[str, Any] = await getattr(self._client, op)(Bucket=self.bucket, **params)
-        self._mark_up()
         return response
 
-    @contextlib.contextmanager
-    def _backend(self, op: str) -> Iterator[None]:
-        """The one boundary between the backend's exceptions and kvcascade's: every S3 request
-        and body read runs inside it, and an exception of :data:`_MEANINGS` leaves it translated.
-
-        * ``DOWN``: the endpoint is marked down for :data:`DOWN_RETRY_S` (docs/s3-tier.md,
-          "Failure behaviour") and :class:`TierUnavailableError` is raised;
-        * ``ANSWERED``: the endpoint is marked up; :class:`_NotFound` for a 404, else
-          :class:`TransferError`;
-        * ``FAILED``: :class:`TransferError`.
-
-        Messages name ``op`` and the S3 error code or the exception's type, never the backend's
-        own text (it holds request URLs). Any other exception (a bug) passes unchanged.
-        """
-        try:
-            yield
-        except Exception as exc:
-            meaning = next((m for kind, m in _MEANINGS if isinstance(exc, kind)), None)
-            if meaning is None:
-                raise
-            code = _error_code(exc)
-            if meaning is _Meaning.DOWN:
-                self._mark_down()
-                raise TierUnavailableError(
-                    f"s3 {op}: endpoint {self.endpoint} unreachable ({code})"
-                ) from exc
-            if meaning is _Meaning.ANSWERED:
-                self._mark_up()
-                if _is_not_found(exc):
-                    raise _NotFound(f"s3 {op}: {code}") from exc
-            raise TransferError(f"s3 {op} failed ({code})") from exc
-
-    def _mark_down(self) -> None:
-        if not self._down_until:
-            log.warning(
-                "s3 tier %s: endpoint %s unreachable; lookups miss and stores are dropped "
-                "until it answers",
-                self.name,
-                self.endpoint,
-            )
-        self._down_until = time.monotonic() + DOWN_RETRY_S
-
-    def _mark_up(self) -> None:
-        if self._down_until:
-            log.info("s3 tier %s: endpoint %s answers again", self.name, self.endpoint)
-            self._down_until = 0.0
-
-    # -- index and capacity --------------------------------------------------------------
-    def _remember(self, key: bytes, size: int, reserved: bool = False) -> None:
-        """``key`` holds a ``size``-byte object and was just used: most recently used.
-
-        ``reserved``: ``size`` was already accounted by :meth:`_reserve`.
-        """
-        bounded = self.max_bytes is not None
-        if key in self._known:
-            self._known.move_to_end(key)
-            if reserved and bounded:
-                self._used -= size
-            return
-        self._known[key] = size
-        if bounded and not reserved:
-            self._used += size
-        elif not bounded and len(self._known) > MAX_KNOWN_KEYS:
-            self._known.popitem(last=False)
-
-    def _forget(self, key: bytes) -> None:
-        size = self._known.pop(key, None)
-        if size is not None and self.max_bytes is not None:
-            self._used -= size
-
-    def _reserve(self, size: int) -> list[bytes] | None:
-        """Account ``size`` more bytes, choosing LRU victims to stay within ``max_bytes``.
-
-        Returns the victims (to delete before writing), or None when ``size`` cannot fit.
-        """
-        if self.max_bytes is None:
-            return []
-        if size > self.max_bytes:
-            return None
-        need = self._used + size - self.max_bytes
-        victims = []
-        for key, nbytes in self._known.items():
-            if need <= 0:
-                break
-            if not self._readers[key]:
-                victims.append(key)
-                need -= nbytes
-        if need > 0:
-            return None
-        for key in victims:
-            self._forget(key)
-        self._evicting.update(victims)
-        self._used += size
-        return victims
-
+    # -- index and capacity (CapacityIndex) ----------------------------------------------
     async def _evict(self, victims: list[bytes]) -> None:
         """Delete ``victims`` (already out of the index); a failed delete is logged only."""
         results = await asyncio.gather(*(self._delete(k) for k in victims), return_exceptions=True)
-        self._evicting.difference_update(victims)
+        self._known.evicted(victims)
         self.counters["evictions"] += len(victims)
         self._events.append(OffloadingEvent(victims, self.medium, True, self.name))
         failed = [r for r in results if isinstance(r, BaseException)]
@@ -612,39 +509,34 @@ class S3Tier(SecondaryTier):
         present = list(await asyncio.gather(*(self._head(k) for k in keys)))
         await asyncio.gather(*(self._delete(k) for k, was in zip(keys, present) if was))
         for key in keys:
-            if key in self._known:
-                self._forget(key)
+            self._known.forget(key)
         return present
 
     def _stored_event_keys(self, keys: Sequence[bytes]) -> list[bytes]:
-        if self.max_bytes is None:
-            return list(keys)
-        return [k for k in keys if k in self._known]
+        return list(keys) if self.max_bytes is None else self._known.present(keys)
 
     def touch(self, keys: Collection[bytes]) -> None:
         """Mark known ``keys`` most recently used (spec §3.8 recency)."""
-        for key in keys:
-            if key in self._known:
-                self._known.move_to_end(key)
+        self._known.touch(keys)
 
     # -- movers (coroutines on the event loop) -------------------------------------------
     async def _store_blocks(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
-        if not self._available():
+        if not self._backend.available():
             self.counters["store_dropped_blocks"] += len(keys)
             raise TransferError(f"s3 endpoint {self.endpoint} is down; store dropped")
         return await gather_blocks(self._store_one, "s3 store", keys, rows)
 
     async def _load_blocks(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
-        if not self._available():
+        if not self._backend.available():
             raise TransferError(f"s3 endpoint {self.endpoint} is down")
         return await gather_blocks(self._load_one, "s3 load", keys, rows)
 
     async def _store_one(self, key: bytes, row: memoryview) -> int:
         if key in self._known:
-            self._known.move_to_end(key)
+            self._known.touch([key])
             return 0
         size = self.object_bytes
-        victims = self._reserve(size)
+        victims = self._known.reserve(size)
         if victims is None:
             raise TransferError(f"block object of {size} bytes does not fit in max_bytes")
         try:
@@ -660,10 +552,9 @@ class S3Tier(SecondaryTier):
                 async with self._sem:
                     await self._send("put_object", Key=object_key, Body=_BlockBody(parts))
         except BaseException:
-            if self.max_bytes is not None:
-                self._used -= size
+            self._known.unreserve(size)
             raise
-        self._remember(key, size, reserved=True)
+        self._known.record(key, size, reserved=True)
         return row.nbytes
 
     async def _put_multipart(self, object_key: str, parts: Sequence[memoryview]) -> None:
@@ -721,7 +612,7 @@ class S3Tier(SecondaryTier):
         try:
             async with asyncio.timeout(ABORT_TIMEOUT_S), self._sem:
                 await self._request("abort_multipart_upload", Key=object_key, UploadId=upload_id)
-        except _NotFound:
+        except NotFoundError:
             return False  # completed or aborted already
         except (TierUnavailableError, TransferError, TimeoutError) as exc:
             log.warning(
@@ -736,33 +627,32 @@ class S3Tier(SecondaryTier):
         return True
 
     async def _load_one(self, key: bytes, row: memoryview) -> int:
-        if key in self._evicting:
-            raise TierUnavailableError("block is being evicted")
         object_key = self.object_key(key)
-        self._readers[key] += 1
+        if not self._known.begin_reads([key]):
+            raise TransferError(f"s3 get_object: {object_key} is being evicted")
         try:
             async with self._sem:
                 try:
                     answer = await self._send("get_object", Key=object_key)
-                except _NotFound:
-                    self._forget(key)
+                except NotFoundError:
+                    self._known.forget(key)
                     raise
                 header = memoryview(bytearray(HEADER_BYTES))
                 await self._read_body(answer, object_key, [header, row])
             check_block(key, header, row, object_key)
         except CorruptBlockError as exc:
-            self.counters["corrupt_blocks"] += 1
-            self._forget(key)
-            log.warning("s3 tier %s: %s; object deleted, block treated as a miss", self.name, exc)
-            with contextlib.suppress(TierUnavailableError, TransferError):
-                await self._delete(key)
+            await self._corrupt(exc, functools.partial(self._discard, key))
             raise
         finally:
-            self._readers[key] -= 1
-            if not self._readers[key]:
-                del self._readers[key]
-        self._remember(key, self.object_bytes)
+            self._known.end_reads([key])
+        self._known.record(key, self.object_bytes)
         return row.nbytes
+
+    async def _discard(self, key: bytes) -> None:
+        """Forget ``key`` and delete its object (a failed delete is left to the next load)."""
+        self._known.forget(key)
+        with contextlib.suppress(TierUnavailableError, TransferError):
+            await self._delete(key)
 
     async def _read_body(
         self, answer: dict[str, Any], object_key: str, targets: Sequence[memoryview]
@@ -772,8 +662,8 @@ class S3Tier(SecondaryTier):
 
         Raises:
             CorruptBlockError: the object is not ``object_bytes`` long.
-            TransferError: the body broke off or stalled (:meth:`_backend`; the endpoint is not
-                marked down: it answered).
+            TransferError: the body broke off or stalled (``FAILED`` in :data:`_MEANINGS`: the
+                endpoint is not marked down, it answered).
         """
         body = answer["Body"]
         complete = False
@@ -784,7 +674,7 @@ class S3Tier(SecondaryTier):
                     f"{object_key}: object is {length} bytes, expected {self.object_bytes}"
                 )
             pad = self.object_bytes - sum(t.nbytes for t in targets)
-            with self._backend("get_object body"):
+            with self._backend.translate("get_object body"):
                 for target in [*targets, memoryview(bytearray(pad))]:
                     filled = 0
                     while filled < target.nbytes:
@@ -798,7 +688,7 @@ class S3Tier(SecondaryTier):
                 body.close()
 
     async def _probe(self, keys: Sequence[bytes]) -> list[bool]:
-        if not self._available():
+        if not self._backend.available():
             return [False] * len(keys)
         answers = await asyncio.gather(*(self._head(k) for k in keys), return_exceptions=True)
         errors = [a for a in answers if isinstance(a, BaseException)]
@@ -817,14 +707,14 @@ class S3Tier(SecondaryTier):
 
     async def _head(self, key: bytes) -> bool:
         if key in self._known:
-            self._known.move_to_end(key)
+            self._known.touch([key])
             return True
         try:
             async with self._sem:
                 answer = await self._send("head_object", Key=self.object_key(key))
-        except _NotFound:
+        except NotFoundError:
             return False
-        self._remember(key, int(answer.get("ContentLength") or self.object_bytes))
+        self._known.record(key, int(answer.get("ContentLength") or self.object_bytes))
         return True
 
 
@@ -888,16 +778,10 @@ def s3_tier_from_config(host: HostBuffer, mapper: FileMapper, cfg: dict[str, Any
         raise ConfigError("s3 tier needs 'bucket' (the bucket name)")
 
     def integer(key: str, default: int) -> int:
-        value = cfg.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"s3 tier {key} must be an int >= 1, got {value!r}")
-        return value
+        return config_int(cfg, key, default, "s3 tier")
 
     def seconds(key: str, default: float) -> float:
-        value = cfg.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ConfigError(f"s3 tier {key} must be a number > 0 (seconds), got {value!r}")
-        return float(value)
+        return config_seconds(cfg, key, default, "s3 tier")
 
     access, secret = cfg.get("access_key"), cfg.get("secret_key")
     if bool(access) != bool(secret):

@@ -19,7 +19,7 @@ Life cycle (see ``docs/cpu-tier.md``):
    the free space of the file system (:class:`InsufficientSpaceError` names requested bytes,
    available bytes and path, and leaves no file), sizes the file, and records itself in the
    sidecar ``kvcascade_<instance_id>.owner``. The others open the file and wait (bounded,
-   :class:`TimeoutError`) until it has its size.
+   :class:`DeadlineExceededError`, a ``TimeoutError``) until it has its size.
 3. **Map and prefault** — everyone maps the whole file shared. Pages are prefaulted with
    ``MADV_POPULATE_WRITE`` (value 23) where the kernel has it, else by a read-modify-write of one
    byte per page; a worker prefaults only its own slot of every row, the scheduler all of it.
@@ -51,7 +51,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .._errors import ConfigError, KVCascadeError
+from .._atomic import replace_file
+from .._errors import ConfigError, DeadlineExceededError, InsufficientSpaceError
+from .._validate import check_int, is_int
 from .cpu import PAGE_SIZE, register_host_memory, round_up, unregister_host_memory
 
 logger = logging.getLogger(__name__)
@@ -68,10 +70,6 @@ _PREFIX = "kvcascade_"
 _OWNER = struct.Struct("<8sqQQQq")
 _MAGIC = b"KVCSHM01"
 _cuda_skip_logged = False
-
-
-class InsufficientSpaceError(KVCascadeError, RuntimeError):
-    """The file system of the region has less free space than the region needs."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +116,7 @@ def region_geometry(
         ConfigError: ``cpu_bytes_to_use`` missing, zero or negative (the message says what to
             set), or a size that is not a non-negative int.
     """
-    if isinstance(cpu_bytes_to_use, bool) or not isinstance(cpu_bytes_to_use, int | None):
+    if cpu_bytes_to_use is not None and not is_int(cpu_bytes_to_use):
         raise ConfigError(f"cpu_bytes_to_use must be an integer, got {cpu_bytes_to_use!r}")
     if not cpu_bytes_to_use or cpu_bytes_to_use < 0:
         raise ConfigError(
@@ -126,13 +124,9 @@ def region_geometry(
             f"{cpu_bytes_to_use!r}): set cpu_bytes_to_use in the kvcascade config / vLLM "
             "kv_connector_extra_config to the host memory for the CPU tier, summed over workers"
         )
-    for name, value in (
-        ("worker_bytes_per_block", worker_bytes_per_block),
-        ("num_workers", num_workers),
-        ("blocks_per_chunk", blocks_per_chunk),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
+    check_int("worker_bytes_per_block", worker_bytes_per_block, 0)
+    check_int("num_workers", num_workers, 0)
+    check_int("blocks_per_chunk", blocks_per_chunk, 0)
     if worker_bytes_per_block == 0 or num_workers == 0:
         return RegionGeometry(0, 0, 0, 0)
     cpu_page_size = worker_bytes_per_block * blocks_per_chunk
@@ -287,7 +281,7 @@ class SharedOffloadRegion:
     Raises:
         ConfigError: a bad size or rank, or an existing file of another size.
         InsufficientSpaceError: the file system lacks the space (no file is left behind).
-        TimeoutError: the creator did not size the file within ``wait_timeout_s``.
+        DeadlineExceededError: the creator did not size the file within ``wait_timeout_s``.
         OSError: mapping or ``madvise`` failed (other than ``EINVAL`` from the probe).
     """
 
@@ -304,13 +298,9 @@ class SharedOffloadRegion:
         wait_timeout_s: float = 30.0,
         pin: bool | None = None,
     ) -> None:
-        for name, value, low in (
-            ("num_blocks", num_blocks, 1),
-            ("cpu_page_size", cpu_page_size, 1),
-            ("num_workers", num_workers, 1),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
+        check_int("num_blocks", num_blocks, 1)
+        check_int("cpu_page_size", cpu_page_size, 1)
+        check_int("num_workers", num_workers, 1)
         if rank is not None and not 0 <= rank < num_workers:
             raise ConfigError(f"rank must be in [0, {num_workers}) or None, got {rank!r}")
         if expected_participants is not None and expected_participants < 1:
@@ -400,14 +390,7 @@ class SharedOffloadRegion:
             self._st.st_ino,
             0,
         )
-        sidecar = _sidecar_path(self.path)
-        tmp = f"{sidecar}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, record)
-        finally:
-            os.close(fd)
-        os.replace(tmp, sidecar)
+        replace_file(_sidecar_path(self.path), record)
 
     def _wait_for_size(self, deadline: float) -> None:
         assert self._fd is not None
@@ -422,7 +405,7 @@ class SharedOffloadRegion:
                     "geometry per instance_id"
                 )
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"{self.path} was not sized by its creator in time")
+                raise DeadlineExceededError(f"{self.path} was not sized by its creator in time")
             time.sleep(_POLL_S)
 
     def _count_participant(self, expected: int | None) -> None:
@@ -446,7 +429,9 @@ class SharedOffloadRegion:
                     break
                 os.close(fd)  # an older generation's record: the creator replaces it soon
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"{sidecar} was not written by the creator of {self.path}")
+                raise DeadlineExceededError(
+                    f"{sidecar} was not written by the creator of {self.path}"
+                )
             time.sleep(_POLL_S)
         try:
             attached += 1
@@ -549,8 +534,7 @@ class SharedOffloadRegion:
         """
         if self.rank is None:
             raise ConfigError("the scheduler's region (rank None) has no worker slot")
-        if isinstance(tensor_page, bool) or not isinstance(tensor_page, int) or tensor_page < 1:
-            raise ConfigError(f"tensor_page must be an int >= 1, got {tensor_page!r}")
+        check_int("tensor_page", tensor_page, 1)
         end = self._cursor + tensor_page
         if end > self.cpu_page_size:
             raise ConfigError(

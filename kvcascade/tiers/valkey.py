@@ -6,11 +6,11 @@ server or cluster, shared by every engine pointed at it (docs/valkey-tier.md).
 Key of a block: ``<prefix>/`` + the fs tier's relative path
 (:meth:`~kvcascade.tiers._file_mapper.FileMapper.relative_path`), exactly the s3 tier's object
 key, so the namespace identity (model, dtype, geometry, ``cache_salt``) separates instances the
-same way. Value: the fs block file format v2 (:mod:`kvcascade.tiers.fs`): the 4096-byte header
-(magic, version, payload length, xxh3 of the payload and of the key), the payload, zeros up to a
-multiple of 4096 bytes — the bytes of an fs block file or an s3 object. Header and payload are
-one value under one key, so a cluster (keys spread over its 16384 slots by the key's CRC16)
-never holds one without the other, and a reader sees the whole value or none (``SET`` is
+same way. Value: the block file format of :mod:`kvcascade.tiers._block_format` (the 4096-byte
+header: magic, version, payload length, xxh3 of the payload and of the key; the payload; zeros
+up to a multiple of 4096 bytes) — the bytes of an fs block file or an s3 object. Header and
+payload are one value under one key, so a cluster (keys spread over its 16384 slots by the key's
+CRC16) never holds one without the other, and a reader sees the whole value or none (``SET`` is
 atomic).
 
 Transport: the asyncio client of ``redis`` (redis-py; docs/valkey-tier.md says why this one and
@@ -31,10 +31,11 @@ timeouts; the job as a whole is bounded by ``io_timeout_s`` (:class:`SecondaryTi
   blocks the primary tier did not have, so rewrites are rare, and a rewrite refreshes the
   server's LRU clock).
 * **Load** (per block, concurrently): ``GET``; length, header, key digest and checksum are
-  verified on the received value (:func:`~kvcascade.tiers.fs.check_block`) before one copy into
-  the primary row, so a corrupt value never reaches a row. A missing value (evicted by the
-  server, never stored, deleted) fails its block as a miss (``counters["missing_blocks"]``); a
-  corrupt or foreign one is deleted and counted (``counters["corrupt_blocks"]``).
+  verified on the received value (:func:`~kvcascade.tiers._block_format.check_block`) before
+  one copy into the primary row, so a corrupt value never reaches a row. A missing value
+  (evicted by the server, never stored, deleted) fails its block as a miss
+  (``counters["missing_blocks"]``); a corrupt or foreign one is deleted and counted
+  (``counters["corrupt_blocks"]``).
 * **Lookup**: RETRY-then-verdict lookups (docs/coordinator.md) over one pipeline of
   ``EXISTS`` per probe batch (split per node by the cluster client). kvcascade keeps no index
   of the server's keys: the server owns capacity (``maxmemory`` and its eviction policy), so
@@ -52,11 +53,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
+import functools
 import logging
-import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -72,10 +72,12 @@ from .._errors import (
     TierUnavailableError,
     TransferError,
 )
+from .._validate import config_int, config_seconds
+from ._backend import Backend, Meaning, NotFoundError
+from ._block_format import HEADER_BYTES, check_block, encode_header, file_size
 from ._file_mapper import FileMapper
 from .base import SecondaryTier, gather_blocks
 from .cpu import HostBuffer
-from .fs import HEADER_BYTES, check_block, encode_header, file_size
 
 log = logging.getLogger(__name__)
 
@@ -85,41 +87,29 @@ _SCHEMES = {"redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": 
 """URL schemes accepted → the scheme the client reads (``unix://`` for one local server)."""
 
 
-class _Meaning(enum.Enum):
-    """What a client exception says about the server (:data:`_MEANINGS`)."""
-
-    DOWN = "the server could not be reached or cannot serve"
-    FULL = "the server refused a write: maxmemory reached"
-    FAILED = "this command failed; the server answered"
-
-
-_MEANINGS: tuple[tuple[type[BaseException], _Meaning], ...] = (
+_MEANINGS: tuple[tuple[type[BaseException], Meaning], ...] = (
     # Answered, but no: wrong password or ACL (a configuration error, not an outage).
-    (rexc.AuthenticationError, _Meaning.FAILED),
-    (rexc.NoPermissionError, _Meaning.FAILED),
+    (rexc.AuthenticationError, Meaning.ANSWERED),
+    (rexc.NoPermissionError, Meaning.ANSWERED),
     # A client-side bound (never reached: the semaphore bounds commands in flight).
-    (rexc.MaxConnectionsError, _Meaning.FAILED),
+    (rexc.MaxConnectionsError, Meaning.ANSWERED),
     # maxmemory reached under noeviction: "OOM command not allowed when used memory > ...".
-    (rexc.OutOfMemoryError, _Meaning.FULL),
+    (rexc.OutOfMemoryError, Meaning.FULL),
     # Refused, reset, closed, server loading its data after a restart (BusyLoadingError is a
     # ConnectionError), socket timeouts after the client's retries.
-    (rexc.ConnectionError, _Meaning.DOWN),
-    (rexc.TimeoutError, _Meaning.DOWN),
+    (rexc.ConnectionError, Meaning.DOWN),
+    (rexc.TimeoutError, Meaning.DOWN),
     # A cluster without a master for the slot (failover under way, too few nodes).
-    (rexc.ClusterDownError, _Meaning.DOWN),
-    (rexc.MasterDownError, _Meaning.DOWN),
-    (rexc.SlotNotCoveredError, _Meaning.DOWN),
-    (OSError, _Meaning.DOWN),
-    (TimeoutError, _Meaning.DOWN),
+    (rexc.ClusterDownError, Meaning.DOWN),
+    (rexc.MasterDownError, Meaning.DOWN),
+    (rexc.SlotNotCoveredError, Meaning.DOWN),
+    (OSError, Meaning.DOWN),
+    (TimeoutError, Meaning.DOWN),
     # Anything else the server answered (READONLY replica, TRYAGAIN, a wrong type, ...).
-    (rexc.RedisError, _Meaning.FAILED),
+    (rexc.RedisError, Meaning.ANSWERED),
 )
-"""Client exception type → what it means to the tier, first match wins; read only by
-:meth:`ValkeyTier._backend` (same model as the s3 tier's ``_MEANINGS``)."""
-
-
-class _Missing(TransferError):
-    """The server holds no value under the block's key (evicted, never stored, deleted)."""
+"""Client exception type → what it means to the tier, first match wins; read only by the
+tier's :class:`~kvcascade.tiers._backend.Backend` (the s3 tier declares its own table)."""
 
 
 def _display_url(url: str) -> str:
@@ -233,8 +223,7 @@ class ValkeyTier(SecondaryTier):
         self._values: list[memoryview] = []  # cluster: value buffers free for reuse
         self._padding = bytes(self.value_bytes - HEADER_BYTES - host.block_bytes)
         self._client: Any = None
-        self._down_until = 0.0
-        self._full_until = 0.0
+        self._backend = Backend(name, "valkey", "server", self.url, _MEANINGS, DOWN_RETRY_S)
 
     def __repr__(self) -> str:
         return f"ValkeyTier(name={self.name!r}, url={self.url!r}, cluster={self.cluster})"
@@ -271,13 +260,13 @@ class ValkeyTier(SecondaryTier):
         """
         self._client = self._make_client()
         try:
-            with self._backend("PING"):
+            with self._backend.translate("PING"):
                 await self._client.ping()
         except (TierUnavailableError, TransferError) as exc:
             raise TierUnavailableError(
                 f"valkey tier {self.name!r}: server {self.url} is not reachable ({exc})"
             ) from exc
-        with contextlib.suppress(KVCascadeError), self._backend("CONFIG GET"):
+        with contextlib.suppress(KVCascadeError), self._backend.translate("CONFIG GET"):
             config = await self._client.config_get("maxmemory*")
             if config.get("maxmemory", "0") == "0":
                 log.info(
@@ -300,98 +289,34 @@ class ValkeyTier(SecondaryTier):
                 await self._client.aclose()
             self._client = None
 
-    # -- availability --------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _backend(self, op: str) -> Iterator[None]:
-        """The one boundary between the client's exceptions and kvcascade's: every command runs
-        inside it, and an exception of :data:`_MEANINGS` leaves it translated.
-
-        * ``DOWN``: the server is marked down for :data:`DOWN_RETRY_S` and
-          :class:`TierUnavailableError` is raised;
-        * ``FULL``: the server is marked full for :data:`DOWN_RETRY_S` (stores dropped) and
-          :class:`TransferError` is raised;
-        * ``FAILED``: :class:`TransferError`.
-
-        Any answer marks the server up. Messages name ``op`` and the exception's type, never
-        its text (it may quote a command's arguments). Other exceptions (a bug) pass unchanged.
-        """
-        try:
-            yield
-        except Exception as exc:
-            meaning = next((m for kind, m in _MEANINGS if isinstance(exc, kind)), None)
-            if meaning is None:
-                raise
-            code = type(exc).__name__
-            if meaning is _Meaning.DOWN:
-                self._mark_down()
-                raise TierUnavailableError(f"valkey {op}: {self.url} unreachable ({code})") from exc
-            self._mark_up()
-            if meaning is _Meaning.FULL:
-                self._mark_full()
-                raise TransferError(f"valkey {op}: {self.url} is full ({code})") from exc
-            raise TransferError(f"valkey {op} failed ({code})") from exc
-        self._mark_up()
-
-    def _available(self) -> bool:
-        return time.monotonic() >= self._down_until
-
-    def _mark_down(self) -> None:
-        if not self._down_until:
-            log.warning(
-                "valkey tier %s: server %s unreachable; lookups miss and stores are dropped "
-                "until it answers",
-                self.name,
-                self.url,
-            )
-        self._down_until = time.monotonic() + DOWN_RETRY_S
-
-    def _mark_up(self) -> None:
-        if self._down_until:
-            log.info("valkey tier %s: server %s answers again", self.name, self.url)
-            self._down_until = 0.0
-
-    def _mark_full(self) -> None:
-        if not self._full_until:
-            log.warning(
-                "valkey tier %s: server %s is out of memory (maxmemory, noeviction); stores are "
-                "dropped for now",
-                self.name,
-                self.url,
-            )
-        self._full_until = time.monotonic() + DOWN_RETRY_S
-
+    # -- commands (through the Backend boundary) ----------------------------------------
     async def _command(self, op: str, fn: Callable[[], Awaitable[Any]]) -> Any:
         """One command under the semaphore: :meth:`_call`."""
         async with self._sem:
             return await self._call(op, fn)
 
     async def _call(self, op: str, fn: Callable[[], Awaitable[Any]]) -> Any:
-        """One command (the caller holds the semaphore) through :meth:`_backend`, refused
-        without a command while the server is marked down.
+        """One command (the caller holds the semaphore) through :meth:`Backend.translate`,
+        refused without a command while the server is marked down.
 
         Raises:
             TierUnavailableError: the server is marked down, or was found unreachable now.
-            TransferError: the server answered with an error.
+            TransferError: the server answered with an error, or is full.
         """
-        if not self._available():
-            raise TierUnavailableError(f"valkey server {self.url} is down")
-        with self._backend(op):
+        self._backend.check_available()
+        with self._backend.translate(op):
             return await fn()
 
     # -- movers (coroutines on the event loop) -------------------------------------------
     async def _store_blocks(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
-        now = time.monotonic()
-        if now < self._down_until or now < self._full_until:
+        state = self._backend.refusing_writes()
+        if state is not None:
             self.counters["store_dropped_blocks"] += len(keys)
-            state = "down" if now < self._down_until else "full"
             raise TransferError(f"valkey server {self.url} is {state}; store dropped")
-        if self._full_until:
-            log.info("valkey tier %s: trying stores on %s again", self.name, self.url)
-            self._full_until = 0.0
         return await gather_blocks(self._store_one, "valkey store", keys, rows)
 
     async def _load_blocks(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
-        if not self._available():
+        if not self._backend.available():
             raise TransferError(f"valkey server {self.url} is down")
         return await gather_blocks(self._load_one, "valkey load", keys, rows)
 
@@ -454,7 +379,7 @@ class ValkeyTier(SecondaryTier):
         value = await self._command("GET", lambda: self._client.get(name))
         if value is None:
             self.counters["missing_blocks"] += 1
-            raise _Missing(f"valkey GET: no value under {name}")
+            raise NotFoundError(f"valkey GET: no value under {name}")
         try:
             if len(value) != self.value_bytes:
                 raise CorruptBlockError(
@@ -464,18 +389,18 @@ class ValkeyTier(SecondaryTier):
             payload = view[HEADER_BYTES : HEADER_BYTES + row.nbytes]
             check_block(key, view[:HEADER_BYTES], payload, name)
         except CorruptBlockError as exc:
-            self.counters["corrupt_blocks"] += 1
-            log.warning(
-                "valkey tier %s: %s; value deleted, block treated as a miss", self.name, exc
-            )
-            with contextlib.suppress(TierUnavailableError, TransferError):
-                await self._command("DEL", lambda: self._client.delete(name))
+            await self._corrupt(exc, functools.partial(self._discard, name))
             raise
         row[:] = payload
         return row.nbytes
 
+    async def _discard(self, name: str) -> None:
+        """Delete the value under ``name`` (a failed delete is left to the next load)."""
+        with contextlib.suppress(TierUnavailableError, TransferError):
+            await self._command("DEL", lambda: self._client.delete(name))
+
     async def _probe(self, keys: Sequence[bytes]) -> list[bool]:
-        if not self._available():
+        if not self._backend.available():
             return [False] * len(keys)
 
         async def exists() -> list[Any]:
@@ -567,16 +492,10 @@ def valkey_tier_from_config(
         raise ConfigError(f"valkey tier cluster must be true or false, got {cfg['cluster']!r}")
 
     def integer(key: str, default: int) -> int:
-        value = cfg.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"valkey tier {key} must be an int >= 1, got {value!r}")
-        return value
+        return config_int(cfg, key, default, "valkey tier")
 
     def seconds(key: str, default: float) -> float:
-        value = cfg.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ConfigError(f"valkey tier {key} must be a number > 0 (seconds), got {value!r}")
-        return float(value)
+        return config_seconds(cfg, key, default, "valkey tier")
 
     if cfg.get("cache_salt"):
         mapper = mapper.with_salt(cfg["cache_salt"])

@@ -1,0 +1,55 @@
+"""Type guards for configuration values and arguments: one copy each.
+
+``True`` is an ``int`` in Python, so "an int" always means "an int that is not a bool"
+(``io_threads=True`` must be refused, not read as 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeGuard
+
+from ._errors import ConfigError
+
+
+def is_int(value: object) -> TypeGuard[int]:
+    """True for an ``int`` that is not a ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> TypeGuard[int | float]:
+    """True for an ``int`` or a ``float`` that is not a ``bool``."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object, low: int) -> int:
+    """``value``, an int ``>= low``.
+
+    Raises:
+        ConfigError: another value; the message names ``name`` and the value.
+    """
+    if not is_int(value) or value < low:
+        raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def config_int(cfg: Mapping[str, Any], key: str, default: int, what: str) -> int:
+    """``cfg[key]`` (``default`` when absent), an int ``>= 1``.
+
+    Raises:
+        ConfigError: another value; the message names ``what`` (e.g. ``"fs tier"``), the key
+            and the value.
+    """
+    return check_int(f"{what} {key}", cfg.get(key, default), 1)
+
+
+def config_seconds(cfg: Mapping[str, Any], key: str, default: float, what: str) -> float:
+    """``cfg[key]`` (``default`` when absent), a number of seconds ``> 0``, as a float.
+
+    Raises:
+        ConfigError: another value; the message names ``what``, the key and the value.
+    """
+    value = cfg.get(key, default)
+    if not is_number(value) or not value > 0:
+        raise ConfigError(f"{what} {key} must be a number > 0 (seconds), got {value!r}")
+    return float(value)
