@@ -27,6 +27,7 @@ from ._errors import TierUnavailableError
 from ._keys import _GROUP_BYTES
 from ._lifecycle import build_coordinator, serve_coordinator
 from ._types import OffloadingEvent, ReqContext
+from ._validate import is_int
 from .coordinator import PrefixLookup, TieringCoordinator
 from .tiers._file_mapper import default_identity
 from .tiers.base import SecondaryTier
@@ -386,7 +387,7 @@ def _check_request(keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Any = None) 
     if len(keys) != len(gpu_ids):
         raise ValueError(f"{len(keys)} keys but {len(gpu_ids)} GPU block ids")
     for gpu_id in gpu_ids:
-        if isinstance(gpu_id, bool) or not isinstance(gpu_id, (int, np.integer)):
+        if not (is_int(gpu_id) or isinstance(gpu_id, np.integer)):
             raise TypeError(f"GPU block ids must be integers, got {gpu_id!r}")
 
 

@@ -227,9 +227,7 @@ class TieringCoordinator:
         if state is None or state.is_finished:
             return
         fresh = [k for k in dict.fromkeys(keys) if k not in state.lookup_pins]
-        fresh = [
-            k for k in fresh if (b := self.primary.get_block(k)) is not None and b.ref_cnt >= 0
-        ]
+        fresh = [k for k in fresh if (b := self.primary.get_block(k)) is not None and b.is_ready]
         if fresh:
             self.primary.prepare_load(fresh, ctx)
             state.lookup_pins.update(dict.fromkeys(fresh))
@@ -406,7 +404,7 @@ class TieringCoordinator:
         missing = [
             k
             for k in keys
-            if k not in pins and ((b := self.primary.get_block(k)) is None or b.ref_cnt < 0)
+            if k not in pins and ((b := self.primary.get_block(k)) is None or not b.is_ready)
         ]
         if missing:
             raise BlockUnavailableError(missing)
@@ -478,7 +476,7 @@ class TieringCoordinator:
                 block = self.primary.get_block(k)
                 if k in new or block is None:
                     continue
-                if block.ref_cnt >= 0:
+                if block.is_ready:
                     ready.append(k)
                 elif k not in state.awaiting_writes:
                     state.awaiting_writes[k] = None
@@ -517,7 +515,7 @@ class TieringCoordinator:
                 del state.awaiting_writes[key]
                 ready = affected.setdefault(state.ctx.req_id, (state, []))[1]
                 block = self.primary.get_block(key)
-                if block is not None and block.ref_cnt >= 0:
+                if block is not None and block.is_ready:
                     ready.append(key)
         for state, ready in affected.values():
             if ready:
@@ -536,9 +534,7 @@ class TieringCoordinator:
         keys = [k for k in keys if self.writes.finish(k, None, ctx.req_id)]
         self.primary.complete_store(keys, ctx, success=success)
         if success and keys:
-            ready = [
-                k for k in keys if (b := self.primary.get_block(k)) is not None and b.ref_cnt >= 0
-            ]
+            ready = [k for k in keys if (b := self.primary.get_block(k)) is not None and b.is_ready]
             for idx in range(len(self.tiers)):
                 self.cascade(ready, ctx, idx)
         self._send_awaited_writes(keys)

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from .._errors import ConfigError, TierUnavailableError
+from .._validate import check_int
 from ..ops import _build, batch_copy
 from ..ops.plan import plan_chunk_copies, plan_descriptors
 from ..ops.swap import select_kernel, triton_batch_copy
@@ -220,8 +221,7 @@ class DeviceTier:
         device: str | None = None,
         views: Sequence[torch.Tensor] | None = None,
     ) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ConfigError(f"gpu num_blocks must be an int >= 1, got {num_blocks!r}")
+        check_int("gpu num_blocks", num_blocks, 1)
         if blocks_per_chunk < 1 or host.block_bytes % blocks_per_chunk:
             raise ConfigError(
                 f"blocks_per_chunk={blocks_per_chunk} must be >= 1 and divide the block size "
