@@ -19,6 +19,11 @@ views, the worker maps the same region, and copies run on one thread per directi
 deferred to the next step's start, spec §5.1). Hooks never raise on a tier or transfer failure: a
 failed load is reported through ``failed_recving`` and vLLM recomputes the request (with
 ``kv_load_failure_policy: "recompute"``; vLLM's default ``"fail"`` fails the request instead).
+
+For routers and operators (``docs/vllm.md``): the tiers' events go to vLLM's KV-event stream
+(``take_events``, :mod:`._vllm_events`), the statistics to vLLM's ``/metrics``
+(``get_kv_connector_stats`` / ``build_prom_metrics``, :mod:`._vllm_metrics`), and a request's
+hints (``kv_transfer_params``, vLLM 0.33's ``kv_hints``) to :class:`~kvcascade.SessionHint`.
 """
 
 from __future__ import annotations
