@@ -13,10 +13,9 @@ import argparse
 import os
 import tempfile
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
 
 def main() -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", help="model directory")
     parser.add_argument("--tiny", action="store_true", help="write a tiny random Llama and use it")
@@ -25,12 +24,12 @@ def main() -> None:
     model = args.model
     with tempfile.TemporaryDirectory(prefix="tiny-llama-") as tiny:  # removed at exit
         if args.tiny or not model:
-            _write_tiny_llama(tiny)
+            write_tiny_llama(tiny)
             model = tiny
         _run(model, dummy=args.tiny or not args.model)
 
 
-def _write_tiny_llama(path: str) -> None:
+def write_tiny_llama(path: str) -> None:
     """A 2-layer Llama config (random weights come from ``load_format="dummy"``)."""
     import transformers
 

