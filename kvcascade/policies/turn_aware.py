@@ -92,7 +92,7 @@ def _cdf(cum: list[float], t: float) -> float:
 class _Entry:
     """A resident block: its status, class, last-read tick, depth and heap bookkeeping."""
 
-    __slots__ = ("block", "children", "cls", "deadline", "depth", "parent", "tick", "token")
+    __slots__ = ("block", "children", "cls", "deadline", "depth", "parent", "tick", "token", "up")
 
     def __init__(self, block: BlockStatus, parent: bytes | None) -> None:
         self.block = block
@@ -101,6 +101,9 @@ class _Entry:
         self.depth = 0
         self.deadline: float | None = None
         self.parent = parent
+        # The parent's entry that counted this block among its children: a parent removed and
+        # stored again is a new entry that never counted it.
+        self.up: _Entry | None = None
         self.children = 0
         self.token = -1  # heap token; -1: not in any heap (pinned / not ready)
 
@@ -443,6 +446,7 @@ class TurnAwareCachePolicy(CachePolicy):
         self._blocks[key] = entry
         if parent is not None and (p := self._blocks.get(parent)) is not None:
             entry.parent = parent
+            entry.up = p
             p.children += 1
             self._unpush(p)
         if block.ref_cnt == 0:
@@ -455,9 +459,10 @@ class TurnAwareCachePolicy(CachePolicy):
         self._unpush(entry)
         if entry.block.ref_cnt == 0:
             self._evictable -= 1
-        if entry.parent is not None and (p := self._blocks.get(entry.parent)) is not None:
+        p, up_key = entry.up, entry.parent
+        if p is not None and up_key is not None and self._blocks.get(up_key) is p:
             p.children -= 1
-            self._offer(entry.parent, p)
+            self._offer(up_key, p)
         return entry
 
     def remove(self, key: bytes) -> None:
