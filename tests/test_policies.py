@@ -51,19 +51,19 @@ def custom_module(monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def test_pre_registered_policies_can_be_imported() -> None:
-    """§9.4.78: every registry entry resolves to a CachePolicy subclass."""
+    """vLLM test_pre_registered_policies_can_be_imported: every registry entry resolves to a CachePolicy subclass."""
     for name in registered_cache_policies():
         assert issubclass(resolve_cache_policy(name), CachePolicy)
 
 
 def test_lru_and_arc_registered() -> None:
-    """§9.4.79: "lru" and "arc" resolve to the LRU and ARC classes."""
+    """vLLM test_lru_and_arc_registered: "lru" and "arc" resolve to the LRU and ARC classes."""
     assert resolve_cache_policy("lru") is LRUCachePolicy
     assert resolve_cache_policy("arc") is ARCCachePolicy
 
 
 def test_register_and_resolve_custom_policy(isolated_registry: None) -> None:
-    """§9.4.80: a registered custom policy resolves and the manager uses it."""
+    """vLLM test_register_and_resolve_custom_policy: a registered custom policy resolves and the manager uses it."""
     register_cache_policy("custom", CustomPolicy)
     assert resolve_cache_policy("custom") is CustomPolicy
     assert type(CPUOffloadingManager(2, "custom").policy) is CustomPolicy
@@ -77,7 +77,7 @@ def test_register_lazy_string(isolated_registry: None, custom_module: str) -> No
 
 @pytest.mark.parametrize("name", ["nope", "nope:", "a:b:c"])
 def test_unregistered_policy_raises(name: str) -> None:
-    """§9.4.81/85: unknown name (no module path) → ValueError "Unknown cache policy" listing the
+    """vLLM test_unregistered_policy_raises / test_unregistered_policy_without_module_path_raises: unknown name (no module path) → ValueError "Unknown cache policy" listing the
     registered names."""
     with pytest.raises(ValueError, match="Unknown cache policy") as info:
         resolve_cache_policy(name)
@@ -88,20 +88,20 @@ def test_unregistered_policy_raises(name: str) -> None:
 
 
 def test_duplicate_registration_raises(isolated_registry: None) -> None:
-    """§9.4.82: registering a taken name → ValueError "is already registered"."""
+    """vLLM test_duplicate_registration_raises: registering a taken name → ValueError "is already registered"."""
     with pytest.raises(ValueError, match="is already registered"):
         register_cache_policy("lru", CustomPolicy)
 
 
 def test_dynamic_load_via_cache_policy_module_path(custom_module: str) -> None:
-    """§9.4.83: an unregistered name plus a module path resolves the class of that name; so
+    """vLLM test_dynamic_load_via_cache_policy_module_path: an unregistered name plus a module path resolves the class of that name; so
     does "module:Class"."""
     assert resolve_cache_policy("CustomPolicy", custom_module) is CustomPolicy
     assert resolve_cache_policy(f"{custom_module}:CustomPolicy") is CustomPolicy
 
 
 def test_manager_resolves_policy_via_module_path(custom_module: str) -> None:
-    """§9.4.84: a manager built with a module path uses that policy."""
+    """vLLM test_manager_resolves_policy_via_module_path: a manager built with a module path uses that policy."""
     mgr = CPUOffloadingManager(2, "CustomPolicy", cache_policy_module_path=custom_module)
     assert type(mgr.policy) is CustomPolicy
 
