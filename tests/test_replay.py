@@ -50,9 +50,9 @@ def two_level_lru(
 ) -> dict[str, int]:
     """A plain simulation of the replay's GPU LRU prefix cache over a CPU LRU tier (no fs).
 
-    CPU recency follows vLLM's LRU (spec §2.4): touch of all the request's keys in reverse
-    order, loaded keys re-enter at the most-recent end in order, stores skip present keys,
-    evict least-recent keys not in the store call, and append the new keys in order.
+    CPU recency follows vLLM's LRU (``kv_offload/cpu/policies/lru.py``): touch of all the request's
+    keys in reverse order, loaded keys re-enter at the most-recent end in order, stores skip present
+    keys, evict least-recent keys not in the store call, and append the new keys in order.
     """
     gpu: collections.OrderedDict[int, None] = collections.OrderedDict()
     cpu: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -413,7 +413,7 @@ def test_impossible_sizes_and_tier_keys_are_clear_errors(
 def test_config_values_are_checked_before_running(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """vLLM's own key checks (spec §1.8, §1.9) and ours, before any work is done."""
+    """vLLM's own key checks (``build_offloading_config``) and ours, before any work is done."""
     assert main(["replay", "--requests", "2", "--quiet", *argv]) == 2
     assert message in capsys.readouterr().err
 
