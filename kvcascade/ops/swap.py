@@ -1,7 +1,9 @@
 """Block copies between a device KV view and the primary tier's host buffer.
 
-:func:`swap_blocks` is the only entry the tiers use. It turns block ids into copy descriptors
-``(src address, dst address, bytes)`` and dispatches to one of four implementations:
+:func:`swap_blocks` copies rows given by block ids: it turns them into copy descriptors
+``(src address, dst address, bytes)`` and dispatches to one of four implementations (the device
+tier and the vLLM connector's worker side build descriptors from a copy plan themselves,
+:mod:`kvcascade.ops.plan`, and call :func:`batch_copy` / :func:`triton_batch_copy`):
 
 ============  ==================================================================================
 ``"cpp"``     the ``kernels/swap_blocks.cpp`` batch op: host ``memcpy`` (threaded above 4 MiB) for
