@@ -190,18 +190,18 @@ def ack(sched: OffloadScheduler, plan: kc.scheduler.StepPlan, workers: int = 1) 
 @pytest.mark.parametrize(
     ("answers", "expected", "calls"),
     [
-        ([H, H], 2, 2),  # 280 all hit
-        ([M, M], 0, 1),  # 282 all miss
-        ([H, H, M, H], 2, 3),  # 283 partial prefix
-        ([M, H], 0, 1),  # 284 miss first
-        ([H], 1, 1),  # 285 single hit
-        ([], 0, 0),  # 286 empty
-        ([T], None, 1),  # 287 RETRY alone
-        ([P], None, 1),  # 287 HIT_PENDING alone
-        ([T, H], None, 2),  # 288 RETRY defers, the scan continues
-        ([H, T], None, 2),  # 289 RETRY after hit
-        ([H, P, H, M, H], None, 4),  # 290/291 HIT_PENDING defers, does not stop the scan
-        ([T, M, H], None, 2),  # 292 RETRY then miss
+        ([H, H], 2, 2),  # all hit
+        ([M, M], 0, 1),  # all miss
+        ([H, H, M, H], 2, 3),  # partial prefix
+        ([M, H], 0, 1),  # miss first
+        ([H], 1, 1),  # single hit
+        ([], 0, 0),  # empty
+        ([T], None, 1),  # RETRY alone
+        ([P], None, 1),  # HIT_PENDING alone
+        ([T, H], None, 2),  # RETRY defers, the scan continues
+        ([H, T], None, 2),  # RETRY after hit
+        ([H, P, H, M, H], None, 4),  # HIT_PENDING defers, does not stop the scan
+        ([T, M, H], None, 2),  # RETRY then miss
     ],
 )
 def test_maximal_prefix(answers: list[R], expected: int | None, calls: int) -> None:
@@ -217,19 +217,19 @@ def test_maximal_prefix(answers: list[R], expected: int | None, calls: int) -> N
 @pytest.mark.parametrize(
     ("answers", "window", "expected"),
     [
-        ([H, H], 2, 2),  # 293 exact window
-        ([M, M, M], 2, 0),  # 294 all miss
-        ([M, H, H], 2, 3),  # 295 window at end
-        ([M, H, H, M], 2, 3),  # 296 window in middle
-        ([H, H, M], 3, 2),  # 297 prefix fallback
-        ([M, H, M], 1, 2),  # 298 window 1
-        ([H, M, H, M], 2, 1),  # 299 gap resets the run
-        ([H, H, M, H, H], 2, 5),  # 300 rightmost window wins
-        ([H, M, H, H, H], 4, 1),  # 301 prefix fallback with gap
-        ([], 2, 0),  # 302 empty
-        ([H, H, T, H], 2, None),  # 303 RETRY defers
-        ([H, H, T], 2, None),  # 304 RETRY defers even with a full window elsewhere
-        ([H, P, H], 3, None),  # 305/306 HIT_PENDING counts but defers
+        ([H, H], 2, 2),  # exact window
+        ([M, M, M], 2, 0),  # all miss
+        ([M, H, H], 2, 3),  # window at end
+        ([M, H, H, M], 2, 3),  # window in middle
+        ([H, H, M], 3, 2),  # prefix fallback
+        ([M, H, M], 1, 2),  # window 1
+        ([H, M, H, M], 2, 1),  # gap resets the run
+        ([H, H, M, H, H], 2, 5),  # rightmost window wins
+        ([H, M, H, H, H], 4, 1),  # prefix fallback with gap
+        ([], 2, 0),  # empty
+        ([H, H, T, H], 2, None),  # RETRY defers
+        ([H, H, T], 2, None),  # RETRY defers even with a full window elsewhere
+        ([H, P, H], 3, None),  # HIT_PENDING counts but defers
     ],
 )
 def test_suffix_window(answers: list[R], window: int, expected: int | None) -> None:
@@ -620,7 +620,7 @@ def test_fence_on_reuse_of_finished_requests_blocks() -> None:
     ack(sched, p1)
     ack(sched, p2)
     assert sched.fenced_block_ids() == set()
-    # a load into a block still fenced is flushed too (309)
+    # a load into a block still fenced is flushed too (vLLM test_fence_at_update_state_after_alloc)
     c = FakeRequest("c", 8, hash_base=200)
     admit(sched, c)
     p4 = eng.step({"c": 8}, new_blocks={"c": [5, 6]}, reqs={"c": c})
