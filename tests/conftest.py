@@ -3,7 +3,9 @@
 * Asyncio tests run their loop in debug mode (``asyncio_debug = true`` in pyproject.toml, a
   pytest-asyncio option). In debug mode asyncio logs ``Executing <handle> took N seconds`` for
   every callback or task step that held the loop at least ``slow_callback_duration`` (0.1 s); a
-  test during which one held it :data:`SLOW_CALLBACK_S` or longer fails, naming the handle.
+  test during which one held it :data:`SLOW_CALLBACK_S` or longer fails, naming the handle. A test
+  that blocks its loop on purpose (to show that work proceeds without the loop) says so with
+  ``@pytest.mark.blocks_loop``.
 * Every test runs under a wall-clock bound (:data:`TEST_TIMEOUT_S`, setup and teardown of its
   function-scoped fixtures included): at the bound every thread's stack is written to stderr and
   the test fails with :class:`TestTimeout` raised in the main thread (``SIGALRM``, the way
@@ -67,7 +69,10 @@ class _SlowCallbacks(logging.Handler):
 
 
 @pytest.fixture(autouse=True)
-def _no_blocking_on_the_loop() -> Iterator[None]:
+def _no_blocking_on_the_loop(request: pytest.FixtureRequest) -> Iterator[None]:
+    if request.node.get_closest_marker("blocks_loop") is not None:
+        yield
+        return
     handler = _SlowCallbacks()
     asyncio_logger = logging.getLogger("asyncio")
     asyncio_logger.addHandler(handler)

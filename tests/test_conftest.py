@@ -12,9 +12,16 @@ _TESTS = """
 import asyncio
 import time
 
+import pytest
+
 
 async def test_blocks_the_loop():
     time.sleep(0.4)  # a blocking call on the event loop
+
+
+@pytest.mark.blocks_loop
+async def test_blocks_the_loop_on_purpose():
+    time.sleep(0.4)
 
 
 async def test_awaits():
@@ -42,7 +49,7 @@ def _outcomes(tmp_path: Path) -> tuple[dict[str, str], str]:
     )
     (tmp_path / "pytest.ini").write_text(
         "[pytest]\nasyncio_mode = auto\nasyncio_default_fixture_loop_scope = function\n"
-        "asyncio_debug = true\n"
+        "asyncio_debug = true\nmarkers = blocks_loop: on purpose\n"
     )
     (tmp_path / "test_guarded.py").write_text(_TESTS)
     proc = subprocess.run(
@@ -65,6 +72,7 @@ def test_blocking_call_on_the_loop_and_a_hung_test_fail_their_own_test(tmp_path:
     outcomes, output = _outcomes(tmp_path)
     assert outcomes == {
         "test_blocks_the_loop": "ERROR",
+        "test_blocks_the_loop_on_purpose": "PASSED",
         "test_awaits": "PASSED",
         "test_blocks_briefly": "PASSED",
         "test_hangs": "FAILED",
