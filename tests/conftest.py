@@ -24,7 +24,7 @@ from types import FrameType
 import pytest
 
 #: Seconds a callback may hold an asyncio test's loop: a blocking call of 0.3 s fails the test.
-#: Outside tests/test_fs_tier.py no step took even 0.1 s in two whole-suite runs on a shared 2-core
+#: Outside tests/test_fs_tier.py no step took over 0.11 s in two whole-suite runs on a shared 2-core
 #: machine (load average ~7); test_fs_tier's steps reached 0.23 s in one run and 0.3-1.0 s in the
 #: other (open findings there: a test thread competing for the GIL, or work on the loop).
 SLOW_CALLBACK_S = 0.3
