@@ -241,14 +241,14 @@ asyncio.run(main())
 EOF
 
 echo "== kvcascade calibrate (written to $KVCASCADE_BUILD_DIR/kernel_settings.json)"
-timeout 120 "$PY" -c 'import sys; from kvcascade._cli import main; sys.exit(main(sys.argv[1:]))' \
+timeout 120 "$PY" -c 'import sys; from kvcascade.replay.cli import main; sys.exit(main(sys.argv[1:]))' \
     calibrate --output "$KVCASCADE_BUILD_DIR/kernel_settings.json" --reps 10 \
     && cat "$KVCASCADE_BUILD_DIR/kernel_settings.json" || status=1
 
 echo "== replay on the GPU: 2,000 requests, byte-exact check of every loaded block"
 timeout 120 "$PY" - <<'EOF' || status=1
 import sys, torch
-from kvcascade._cli import main
+from kvcascade.replay.cli import main
 print(f"KV cache device: cuda ({torch.cuda.get_device_name()})")
 sys.exit(main(["replay", "--requests", "2000", "--quiet"]))
 EOF

@@ -5,7 +5,7 @@ of it that change what a learning policy sees (sessions interleaved differently,
 scaled, one-off long prompts mixed in) and generators with other structure (turn counts and
 context growth from other distributions, a Zipf-shared system-prompt population, no multi-turn
 structure at all, a workload that changes half-way). Each trace is replayed by the engine of
-``kvcascade replay --compare-policies`` (:func:`kvcascade._compare.compare`: the real
+``kvcascade replay --compare-policies`` (:func:`kvcascade.replay.compare.compare`: the real
 ``CPUOffloadingManager`` bookkeeping, free rules on, cold start, prefix-level hit ratio, with
 Belady's OPT) at the given capacity fractions of the trace's unique blocks.
 
@@ -34,8 +34,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
-from kvcascade._compare import Comparison, compare  # noqa: E402
-from kvcascade._trace import TOKENS_PER_BLOCK, TraceRequest, bundled_trace, read_trace  # noqa: E402
+from kvcascade.replay.compare import Comparison, compare  # noqa: E402
+from kvcascade.replay.trace import TOKENS_PER_BLOCK, TraceRequest, bundled_trace, read_trace  # noqa: E402
 
 #: Block ids of generated traces start here (above every id of the bundled trace).
 _FRESH = 1 << 40
@@ -272,7 +272,7 @@ def run_suite(
     hints: str = "none",
     seed: int = 0,
 ) -> dict[str, tuple[Comparison, float]]:
-    """Per trace: its comparison (:func:`kvcascade._compare.compare`) and the seconds it took."""
+    """Per trace: its comparison (:func:`kvcascade.replay.compare.compare`) and its seconds."""
     out = {}
     for name, trace in traces.items():
         start = time.perf_counter()

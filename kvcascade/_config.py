@@ -1,4 +1,7 @@
-"""Configuration: vLLM's ``kv_connector_extra_config`` keys plus kvcascade's own (spec §1.9)."""
+"""Configuration: vLLM's ``kv_connector_extra_config`` keys plus kvcascade's own.
+
+vLLM's keys: its ``docs/features/kv_offloading_usage.md``; kvcascade's: docs/vllm.md.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from ._errors import ConfigError
 from ._validate import is_int, is_number
 from .tiers.cpu import PAGE_SIZE, round_up
 
-# vLLM OffloadingConnector keys accepted for compatibility (spec §1.9) and kvcascade's own keys.
+# vLLM OffloadingConnector keys accepted for compatibility (docs/vllm.md) and kvcascade's own keys.
 _VLLM_KEYS = {
     "spec_name",
     "spec_module_path",
@@ -57,7 +60,8 @@ def redact(tier: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_vllm_keys(extra: dict[str, Any]) -> None:
-    """The validation vLLM applies to its keys that kvcascade accepts (spec §1.8, §1.9)."""
+    """The validation vLLM applies to its keys that kvcascade accepts (vLLM's
+    ``build_offloading_config``)."""
     if "block_size" in extra and "blocks_per_chunk" in extra:
         raise ConfigError("Specify only one of block_size and blocks_per_chunk")
     for key in ("blocks_per_chunk", "block_size"):
@@ -86,7 +90,8 @@ class CascadeConfig:
         block_bytes: KV bytes of one block (chunk) across all workers, ``> 0``.
         gpu_blocks: blocks in the device KV cache.
         cpu_blocks: primary-tier slots; derived from ``cpu_bytes_to_use`` when None
-            (``cpu_bytes_to_use // round_up(block_bytes, PAGE_SIZE)``, spec §2.6).
+            (``cpu_bytes_to_use // round_up(block_bytes, PAGE_SIZE)``, vLLM's
+            ``kv_offload/cpu/spec.py``).
         cpu_bytes_to_use: primary-tier budget in bytes (vLLM's key).
         eviction_policy: primary-tier policy name or ``"module:Class"``.
         secondary_tiers: list of tier dicts, each with ``type`` (``fs``, ``memory``/``example``,
@@ -174,7 +179,8 @@ class CascadeConfig:
 
     @property
     def num_cpu_blocks(self) -> int:
-        """Primary-tier slots (spec §2.6 sizing when derived from ``cpu_bytes_to_use``)."""
+        """Primary-tier slots (vLLM ``kv_offload/cpu/spec.py`` sizing when derived from
+        ``cpu_bytes_to_use``)."""
         if self.cpu_blocks is not None:
             return self.cpu_blocks
         assert self.cpu_bytes_to_use is not None

@@ -1,4 +1,4 @@
-"""Offload keys: the identity of one chunk of one KV-cache group (spec §1.1).
+"""Offload keys: the identity of one chunk of one KV-cache group (vLLM ``kv_offload/base.py``).
 
 An offload key is a plain ``bytes`` value: the raw block-hash bytes followed by the KV-cache group
 index as 4 bytes, big-endian, unsigned. Raw bytes (not tuples) keep the garbage collector out of

@@ -1,4 +1,7 @@
-"""Shared vocabulary of bookkeeping and data movement (spec §1.2, §1.3, §3.1).
+"""Shared vocabulary of bookkeeping and data movement.
+
+Names and meanings of vLLM's ``vllm/v1/kv_offload/base.py`` (lookup, specs, events) and
+``vllm/v1/kv_offload/tiering/base.py`` (transfer jobs and results).
 
 The bookkeeping side (``index/``) and the data side (``tiers/``) never import each other; they meet
 through these types.
@@ -17,7 +20,7 @@ _T = TypeVar("_T")
 
 
 class LookupResult(enum.Enum):
-    """Answer of a one-key lookup (spec §1.4).
+    """Answer of a one-key lookup (vLLM ``kv_offload/base.py``).
 
     ``HIT``: present and readable now. ``MISS``: absent or not obtainable. ``HIT_PENDING``: present
     but a write into it is in flight (it will become readable). ``RETRY``: undecided, ask again
@@ -31,14 +34,14 @@ class LookupResult(enum.Enum):
 
 
 class Medium(enum.StrEnum):
-    """Storage medium of a tier (spec §1.2). The GPU is not a medium."""
+    """Storage medium of a tier. The GPU is not a medium."""
 
     CPU = "CPU"
     STORAGE = "STORAGE"
 
 
 class OffloadPolicy(enum.StrEnum):
-    """Which chunks a request offers for storing (spec §1.2)."""
+    """Which chunks a request offers for storing."""
 
     BLOCK_LEVEL = "block_level"
     REQUEST_LEVEL = "request_level"
@@ -46,13 +49,13 @@ class OffloadPolicy(enum.StrEnum):
 
 @dataclass
 class RequestOffloadingContext:
-    """Returned by ``on_new_request`` (spec §1.2)."""
+    """Returned by ``on_new_request``."""
 
     policy: OffloadPolicy = OffloadPolicy.BLOCK_LEVEL
 
 
 class ScheduleEndContext(NamedTuple):
-    """Passed to ``on_schedule_end`` once per scheduler step (spec §1.2)."""
+    """Passed to ``on_schedule_end`` once per scheduler step."""
 
     new_req_ids: Collection[str] = ()
     preempted_req_ids: Collection[str] = ()
@@ -81,7 +84,7 @@ class ReqContext:
 
 
 class LoadStoreSpec:
-    """Marker base: where the data of a transfer is (spec §1.3)."""
+    """Marker base: where the data of a transfer is."""
 
 
 class BlockIDsLoadStoreSpec(LoadStoreSpec):
@@ -99,7 +102,7 @@ class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
 
 
 class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
-    """GPU block ids ordered by KV-cache group (spec §1.3).
+    """GPU block ids ordered by KV-cache group.
 
     Args:
         block_ids: GPU block ids, group after group.
@@ -133,7 +136,7 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
 
 @dataclass
 class PrepareStoreOutput:
-    """Result of ``prepare_store`` (spec §1.2): keys newly allocated, their slots, the victims."""
+    """Result of ``prepare_store``: keys newly allocated, their slots, the victims."""
 
     keys_to_store: list[bytes]
     store_spec: LoadStoreSpec
@@ -142,7 +145,7 @@ class PrepareStoreOutput:
 
 @dataclass
 class OffloadingEvent:
-    """Keys stored into (``removed=False``) or removed from a tier of ``medium`` (spec §1.2).
+    """Keys stored into (``removed=False``) or removed from a tier of ``medium``.
 
     ``tier`` names the tier that owns the storage ("cpu", "fs", "s3", ...).
     """
@@ -155,7 +158,7 @@ class OffloadingEvent:
 
 @dataclass
 class TransferJob:
-    """A primary↔secondary transfer (spec §3.1).
+    """A primary↔secondary transfer.
 
     Attributes:
         job_id: monotonic id shared by cascades and promotions.
@@ -174,7 +177,7 @@ class TransferJob:
 
 @dataclass
 class JobResult:
-    """Outcome of a transfer job (spec §3.1).
+    """Outcome of a transfer job.
 
     ``success=True`` means every key succeeded. On failure ``successful_keys`` lists the keys that
     did transfer (a subset of the job's keys), or is None when all keys share the job's fate.

@@ -129,12 +129,13 @@ class Cascade:
 
         Primary hits are pinned for the request at once (the coordinator's lookup pins; released
         by :meth:`load` or :meth:`finish_request`); secondary hits get a primary slot reserved
-        and a promotion queued, as with vLLM's lookup (spec §3.6), so they cannot be evicted
-        before :meth:`load`. A key whose write is in flight for another request counts as
-        available: :meth:`load` waits for that write instead of issuing a second one.
+        and a promotion queued, as with vLLM's lookup (``kv_offload/tiering/manager.py``), so they
+        cannot be evicted before :meth:`load`. A key whose write is in flight for another request
+        counts as available: :meth:`load` waits for that write instead of issuing a second one.
 
         A secondary hit needs a free primary slot for its promotion: a key that finds none ends
-        the prefix (spec §3.6, allocation failure = miss), so through a CPU tier smaller than the
+        the prefix (allocation failure = miss, as in vLLM's
+        ``kv_offload/tiering/manager.py``), so through a CPU tier smaller than the
         prefix a long prefix comes back in parts — :meth:`load` one part, then look up the rest
         (``examples/asyncio_cascade.py``).
         """
@@ -263,9 +264,9 @@ class Cascade:
     def touch(self, keys: Sequence[bytes], ctx: ReqContext) -> None:
         """Record that a request reads ``keys`` — every block of its prompt, cached or not, in
         order — once per request, as vLLM's scheduler does when it allocates the request
-        (spec §3.8): refreshes recency in every tier and is what learning policies
-        (``turn_aware``) learn from. :meth:`lookup_prefix` does not touch: a caller that never
-        touches gets LRU-like behaviour from ``turn_aware``.
+        (vLLM ``offloading/scheduler.py``): refreshes recency in every tier and is what learning
+        policies (``turn_aware``) learn from. :meth:`lookup_prefix` does not touch: a caller that
+        never touches gets LRU-like behaviour from ``turn_aware``.
 
         Raises:
             TypeError / ValueError: see :func:`_check_request`.

@@ -1,4 +1,6 @@
-"""The tiering coordinator: scheduler hooks → store cascades and promotions (spec §3.4–3.9).
+"""The tiering coordinator: scheduler hooks → store cascades and promotions.
+
+After vLLM's ``vllm/v1/kv_offload/tiering/manager.py``; see docs/coordinator.md.
 
 :class:`TieringCoordinator` keeps vLLM's ``TieringOffloadingManager`` semantics for a synchronous
 caller: lookups consult the primary tier, then each secondary tier in order, and start a
@@ -8,7 +10,7 @@ secondary tier with one read pin per tier; finished jobs are observed only at po
 per step, so eviction decisions stay deterministic. Tier actors resolve each job's future; the
 synchronous façade only collects what is done — nothing polls in a loop.
 
-Divergences from vLLM, each closing a known fault (spec §10):
+Divergences from vLLM, each closing a known fault (docs/coordinator.md):
 
 * A primary ``HIT`` pins the block for the asking request (once per request and key) until
   ``prepare_load`` takes the pin over or the request finishes, so a block found by ``lookup``
@@ -153,7 +155,8 @@ class TieringCoordinator:
 
     # -- polling -----------------------------------------------------------------------------
     def _poll(self, force: bool = False) -> None:
-        """Apply finished tier jobs (gated: once per step unless ``force``), spec §3.5."""
+        """Apply finished tier jobs (gated: once per step unless ``force``), as vLLM's
+        ``_maybe_process_finished_jobs``."""
         if self._polled_this_step and not force:
             return
         self._polled_this_step = True
@@ -265,7 +268,7 @@ class TieringCoordinator:
         *,
         verdicts: dict[int, bool] | None = None,
     ) -> LookupResult:
-        """Where ``key`` is readable from (spec §3.6).
+        """Where ``key`` is readable from (vLLM's ``lookup`` in ``kv_offload/tiering/manager.py``).
 
         Primary ``HIT`` (pinned for ``ctx``'s request, see the module docstring) or
         ``HIT_PENDING`` first; then each secondary tier allowed, in order: a ``HIT`` reserves a
@@ -442,14 +445,14 @@ class TieringCoordinator:
         return futures + self.writes.waiters(stores)
 
     def touch(self, keys: Collection[bytes], ctx: ReqContext | None = None) -> None:
-        """Recency: the primary tier, then every secondary tier (spec §3.8)."""
+        """Recency: the primary tier, then every secondary tier (as vLLM's ``touch``)."""
         self.primary.touch(keys, ctx)
         for tier in self.tiers:
             tier.touch(keys)
 
     # -- stores and cascade ------------------------------------------------------------------
     def prepare_store(self, keys: Collection[bytes], ctx: ReqContext) -> PrepareStoreOutput | None:
-        """Allocate primary slots for a GPU→CPU store (spec §3.7); None when full.
+        """Allocate primary slots for a GPU→CPU store (vLLM's ``prepare_store``); None when full.
 
         For a request with request-level tiers, keys already readable in the primary are sent
         to those tiers now (one store job per tier); keys another writer is still writing are
@@ -565,7 +568,8 @@ class TieringCoordinator:
         return state
 
     def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
-        """First sight of a request; REQUEST_LEVEL if any tier asks for it (spec §3.9)."""
+        """First sight of a request; REQUEST_LEVEL if any tier asks for it (vLLM's
+        ``on_new_request``)."""
         state = self._state(ctx)
         for idx, tier in enumerate(self.tiers):
             if tier.on_new_request(ctx).policy is OffloadPolicy.REQUEST_LEVEL:
@@ -619,7 +623,8 @@ class TieringCoordinator:
     def on_schedule_end(
         self, ctx: ScheduleEndContext | None = None
     ) -> list[asyncio.Future[JobResult]]:
-        """Once per step (spec §3.8): poll, reset the gate, flush promotions, flush probes.
+        """Once per step (vLLM's ``on_schedule_end``): poll, reset the gate, flush promotions, flush
+        probes.
 
         Returns the futures of the promotion jobs submitted now.
         """
@@ -650,7 +655,7 @@ class TieringCoordinator:
 
     # -- events and stats ---------------------------------------------------------------------
     def take_events(self) -> Iterator[OffloadingEvent]:
-        """Primary events, then each tier's, in tier order (spec §3.8)."""
+        """Primary events, then each tier's, in tier order (vLLM's ``take_events``)."""
         events: list[OffloadingEvent] = list(self.primary.take_events())
         for tier in self.tiers:
             events.extend(tier.take_events())
@@ -685,8 +690,8 @@ class TieringCoordinator:
     async def reset_cache(self) -> None:
         """Drain every tier, apply results, drop unsubmitted promotions, reset the primary.
 
-        Order of spec §3.9. Secondary tiers keep their data; active requests stay known with no
-        pending stores and no pins.
+        The order of vLLM's ``reset_cache`` (``kv_offload/tiering/manager.py``). Secondary tiers
+        keep their data; active requests stay known with no pending stores and no pins.
         """
         for tier in self.tiers:
             await tier.drain()

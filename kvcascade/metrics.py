@@ -1,5 +1,6 @@
 """Prometheus metrics of the tiering coordinator, in the shape of vLLM's
-``vllm:kv_offload_tiering_*`` (spec §3.10), exported under ``kvcascade_*`` names.
+``vllm:kv_offload_tiering_*`` (``kv_offload/tiering/metrics.py``), exported under ``kvcascade_*``
+names.
 
 Tier label values follow vLLM: ``"0:primary"`` for the CPU primary tier and ``"<i+1>:<name>"`` for
 secondary tier ``i``. Each :class:`TieringMetrics` registers into its own

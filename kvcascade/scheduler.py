@@ -1,4 +1,7 @@
-"""Scheduler-side offload rules of spec §6: lookup, load jobs, store jobs, fences, touch.
+"""Scheduler-side offload rules: lookup, load jobs, store jobs, fences, touch.
+
+The rules of vLLM's ``OffloadingConnectorScheduler``
+(``vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py``), method names kept.
 
 :class:`OffloadScheduler` decides, once per engine step, which chunks a request loads from the
 offload cache and which of its computed chunks are stored, and keeps the bookkeeping that makes
@@ -9,26 +12,27 @@ that safe (one load job *or* store jobs per request, store cursors, the fence in
 asyncio: the engine adapter translates its own request and step objects into
 :class:`RequestView` and :class:`StepInput`, and executes the :class:`StepPlan` it gets back.
 
-Vocabulary (spec §1.1, §6.1): a GPU *block* holds ``tokens_per_block`` tokens of one KV-cache
-group; a *chunk* is ``blocks_per_chunk`` (k) consecutive blocks, the unit of the offload cache,
-identified by an offload key built from the request's block hash at the chunk's last hash block.
-Token counts are tokens; block ids are GPU block ids (0 = vLLM's null block).
+Vocabulary (vLLM's ``kv_offload/base.py`` and ``offloading/scheduler.py``): a GPU *block* holds
+``tokens_per_block`` tokens of one KV-cache group; a *chunk* is ``blocks_per_chunk`` (k) consecutive
+blocks, the unit of the offload cache, identified by an offload key built from the request's block
+hash at the chunk's last hash block. Token counts are tokens; block ids are GPU block ids (0 =
+vLLM's null block).
 
 Supported: full-attention groups and windowed groups (sliding window / chunked local attention,
 window ``W`` in chunks, optional alignment count). Not supported (documented in ``docs/vllm.md``):
-EAGLE/MTP draft groups, Mamba partial tails (§6.6), per-request tier filters (§6.9) and
-self-describing KV events (§6.10; events are translated as placeholders).
+EAGLE/MTP draft groups, Mamba partial tails, per-request tier filters (``kv_load_tiers``) and
+self-describing KV events (events are translated as placeholders).
 
 Divergences from vLLM, each for safety:
 
 * A finished request stores at most ``max(num_prompt_tokens, num_tokens - 1)`` tokens: the last
-  sampled token never had its KV computed (vLLM 0.32 clamps the same way; the spec's text says
-  ``num_tokens``).
+  sampled token never had its KV computed (vLLM 0.32 clamps the same way).
 * ``prepare_load`` raising (a block became unavailable, e.g. a typed
   :class:`~kvcascade.BlockUnavailableError`) does not escape: the load job is emitted without a
   source (``cpu is None``) so the worker reports it failed and the engine recomputes.
 * Transfers may fail: :meth:`OffloadScheduler.on_jobs_finished` takes the failed job ids and
-  completes failed stores with ``success=False`` (vLLM asserts every transfer succeeded, §10.6).
+  completes failed stores with ``success=False`` (vLLM's ``offloading/worker.py``
+  ``get_finished`` asserts every transfer succeeded).
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ _RETRY = LookupResult.RETRY
 
 
 class OffloadManager(Protocol):
-    """The synchronous hooks the scheduler drives (those of ``TieringCoordinator``, spec §1.4).
+    """The synchronous hooks the scheduler drives (those of ``TieringCoordinator``, vLLM's
+    ``OffloadingManager`` in ``kv_offload/base.py``).
 
     ``reset_cache`` may return an awaitable (the coordinator's is async); the scheduler ignores
     the return value, so a caller that needs the reset finished handles it (the vLLM adapter's
@@ -108,7 +113,7 @@ class RequestView(Protocol):
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """One KV-cache group that is offloaded (spec §6.1).
+    """One KV-cache group that is offloaded (vLLM's ``GroupOffloadConfig``).
 
     Attributes:
         tokens_per_block: tokens of one GPU block of this group (``> 0``).
@@ -125,7 +130,7 @@ class GroupSpec:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Static configuration of :class:`OffloadScheduler` (spec §6.1).
+    """Static configuration of :class:`OffloadScheduler` (vLLM's ``SchedulerOffloadConfig``).
 
     Attributes:
         groups: offloaded groups, in KV-cache group order (index = group index in keys).
@@ -180,8 +185,8 @@ class TransferSpec:
     """One GPU↔CPU transfer for the workers.
 
     ``cpu`` holds primary-tier slots (one per chunk, in key order); ``gpu`` the GPU blocks by
-    group (spec §1.3, mapping of §5.3). ``cpu is None`` marks a load that could not be prepared:
-    the worker reports it failed without copying.
+    group (the chunk mapping of docs/device.md). ``cpu is None`` marks a load that could not be
+    prepared: the worker reports it failed without copying.
     """
 
     req_id: str
@@ -191,7 +196,7 @@ class TransferSpec:
 
 @dataclass
 class StepPlan:
-    """The scheduler's output for one step (spec §6.3 step 4f)."""
+    """The scheduler's output for one step (the metadata of vLLM's ``build_connector_meta``)."""
 
     load_jobs: dict[int, TransferSpec] = field(default_factory=dict)
     store_jobs: dict[int, TransferSpec] = field(default_factory=dict)
@@ -210,7 +215,8 @@ class ScheduledRequest:
 
 @dataclass
 class StepInput:
-    """What the scheduler needs from one engine step's output (spec §6.3 step 4)."""
+    """What the scheduler needs from one engine step's output (what vLLM's ``build_connector_meta``
+    reads)."""
 
     scheduled: Sequence[ScheduledRequest] = ()
     num_scheduled_tokens: Mapping[str, int] = field(default_factory=dict)
@@ -222,8 +228,9 @@ class StepInput:
 
 @dataclass
 class BlockEvent:
-    """A manager event translated per group (spec §6.10, placeholder form): ``block_hashes``
-    are the raw hashes of the chunks' keys; ``medium`` is ``"CPU"`` or ``"STORAGE"``."""
+    """A manager event translated per group (vLLM's ``offloading/events.py``, placeholder form):
+    ``block_hashes`` are the raw hashes of the chunks' keys; ``medium`` is ``"CPU"`` or
+    ``"STORAGE"``."""
 
     block_hashes: list[bytes]
     group_idx: int
@@ -289,7 +296,7 @@ class _Job:
 
 
 def parse_max_offload_tokens(params: Mapping[str, Any] | None) -> int | None:
-    """``max_offload_tokens`` from ``kv_transfer_params`` (spec §1.9): an exact non-negative
+    """``max_offload_tokens`` from ``kv_transfer_params`` (vLLM's key): an exact non-negative
     ``int``; anything else (bool, str, float, negative) logs a warning and means no cap."""
     if not params or "max_offload_tokens" not in params:
         return None
@@ -301,7 +308,7 @@ def parse_max_offload_tokens(params: Mapping[str, Any] | None) -> int | None:
 
 
 def is_store_reachable(chunk: int, storable: int, window: int, alignment: int | None) -> bool:
-    """Segment-tail rule of spec §6.8 step 4 for a windowed chunk.
+    """Segment-tail rule of vLLM's ``_build_store_jobs`` for a windowed chunk.
 
     With alignment count A, chunk ``c`` lies in the segment starting at ``c - c mod A`` of length
     ``min(A, storable - start)``; only its last ``window`` chunks can ever be loaded (a lookup
@@ -315,7 +322,8 @@ def is_store_reachable(chunk: int, storable: int, window: int, alignment: int | 
 
 
 class OffloadScheduler:
-    """Per-request offload state and the hook sequence of spec §6.2–6.8.
+    """Per-request offload state and the hook sequence of vLLM's
+    ``OffloadingConnectorScheduler``.
 
     Args:
         config: the static configuration.
@@ -384,7 +392,7 @@ class OffloadScheduler:
                 gs.keys.append(make_offload_key(hashes[i], g))
 
     def on_new_request(self, req: RequestView) -> None:
-        """First sight of a request (spec §6.3 step 1)."""
+        """First sight of a request (vLLM's ``on_new_request``)."""
         ctx = ReqContext(req.request_id, req.kv_transfer_params)
         policy = self.manager.on_new_request(ctx).policy
         self._reqs[req.request_id] = _ReqState(
@@ -395,7 +403,7 @@ class OffloadScheduler:
             parse_max_offload_tokens(req.kv_transfer_params),
         )
 
-    # -- lookup (§6.4) ---------------------------------------------------------------------
+    # -- lookup (vLLM's _lookup_complete_chunks) -------------------------------------------
     def _maximal_prefix(self, keys: Sequence[bytes], ctx: ReqContext) -> int | None:
         count = 0
         deferred = False
@@ -429,7 +437,7 @@ class OffloadScheduler:
 
     def _lookup(self, st: _ReqState) -> int | None:
         """Tokens loadable beyond ``st.num_computed`` (a multiple of chunks), or None to ask
-        again later (spec §6.4)."""
+        again later (as vLLM's ``_lookup_complete_chunks``)."""
         cfg = self.config
         computed = st.num_computed
         max_hit = st.req.num_tokens - (1 if self._has_windowed else 0)
@@ -484,8 +492,8 @@ class OffloadScheduler:
 
     def get_num_new_matched_tokens(self, req_id: str, num_computed: int) -> tuple[int | None, bool]:
         """Tokens the request can load beyond ``num_computed`` (GPU-cached tokens), and whether
-        the load is asynchronous (spec §6.3 step 2). ``(None, False)``: ask again next step (a
-        lookup is pending, or the request still has transfers in flight)."""
+        the load is asynchronous (vLLM's ``get_num_new_matched_tokens``). ``(None, False)``: ask
+        again next step (a lookup is pending, or the request still has transfers in flight)."""
         st = self._reqs[req_id]
         for gs in st.groups:
             gs.block_ids.clear()
@@ -511,7 +519,7 @@ class OffloadScheduler:
         self._touch(st)
         return hits, hits > 0
 
-    # -- load job (§6.5) -------------------------------------------------------------------
+    # -- load job (vLLM's update_state_after_alloc) ----------------------------------------
     def _new_job(self, st: _ReqState, keys: list[bytes], is_store: bool) -> tuple[int, _Job]:
         job_id = self._job_counter
         self._job_counter += 1
@@ -526,7 +534,8 @@ class OffloadScheduler:
         group_blocks: Sequence[Sequence[tuple[int, bool]]],
         num_external_tokens: int,
     ) -> None:
-        """Build the request's load job after its GPU blocks were allocated (spec §6.5).
+        """Build the request's load job after its GPU blocks were allocated (vLLM's
+        ``update_state_after_alloc``).
 
         Args:
             req_id: the request.
@@ -590,7 +599,7 @@ class OffloadScheduler:
             self._being_loaded.update(keys)
         self.stats.loads += 1
 
-    # -- step (§6.3 step 4) ----------------------------------------------------------------
+    # -- step (vLLM's build_connector_meta) ------------------------------------------------
     def _update_req_states(self, step: StepInput) -> None:
         windowed = [g for g, spec in enumerate(self.config.groups) if spec.window_chunks]
         ends: dict[str, list[int]] = {}
@@ -747,7 +756,7 @@ class OffloadScheduler:
             gs.cursor = max(gs.cursor, n)
 
     def build_step(self, step: StepInput) -> StepPlan:
-        """End of scheduling: the transfers of this step (spec §6.3 step 4).
+        """End of scheduling: the transfers of this step (vLLM's ``build_connector_meta``).
 
         Updates the requests' GPU blocks, calls the manager's ``on_schedule_end``, flushes the
         stores of preempted requests and stores still reading re-allocated blocks, builds the
@@ -780,7 +789,7 @@ class OffloadScheduler:
         self._step_allocated = set()
         return plan
 
-    # -- worker results (§6.3 step 6) --------------------------------------------------------
+    # -- worker results (vLLM's update_connector_output) -----------------------------------
     def on_jobs_finished(
         self, completed: Mapping[int, int], failed: Collection[int] = ()
     ) -> list[str]:
@@ -833,7 +842,8 @@ class OffloadScheduler:
 
     # -- request end, pending work, events, reset ------------------------------------------------
     def request_finished(self, req_id: str) -> None:
-        """The request finished; its GPU blocks are freed after this call (spec §6.3 step 7).
+        """The request finished; its GPU blocks are freed after this call (vLLM's
+        ``request_finished``).
 
         Final hashes become keys (so the next step can store the last full block), and the
         source blocks of its in-flight stores enter the fence index, so a store is flushed
@@ -873,7 +883,7 @@ class OffloadScheduler:
         return out
 
     def reset_cache(self) -> None:
-        """Forget all offload state between steps (spec §6.11).
+        """Forget all offload state between steps (vLLM's ``reset_cache``).
 
         Every tracked job is flushed with the next step's plan (in-flight loads finish before
         slots are reused); finished requests are signalled and dropped; the manager is reset;

@@ -1,4 +1,5 @@
-"""Canonical KV-cache views: zero-copy int8 ``(num_blocks, page_bytes)`` (spec §1.6, §5.1).
+"""Canonical KV-cache views: zero-copy int8 ``(num_blocks, page_bytes)`` (vLLM's
+``CanonicalKVCaches`` in ``kv_offload/base.py``, built as its ``offloading/worker.py`` does).
 
 Whatever an attention backend's layout, the offload path wants one thing per tensor: block ``b``
 as row ``b`` of an int8 matrix. When the block dimension is physically outermost, one strided view

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvcascade._admin import inspect_root, parse_age
-from kvcascade._cli import main
+from kvcascade.replay.cli import main
 
 
 @pytest.fixture(scope="module")

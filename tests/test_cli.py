@@ -6,13 +6,13 @@ import logging
 import subprocess
 import sys
 
-from kvcascade import _cli
+from kvcascade.replay import cli
 
 
 def test_version_and_help_start_without_torch() -> None:
     code = (
         "import sys\n"
-        "from kvcascade._cli import main\n"
+        "from kvcascade.replay.cli import main\n"
         "for argv in (['--version'], ['--help'], ['replay', '--help']):\n"
         "    try:\n"
         "        main(argv)\n"
@@ -28,7 +28,7 @@ def test_version_and_help_start_without_torch() -> None:
 
 
 def test_log_lines_carry_one_kvcascade_prefix() -> None:
-    formatter = _cli._Formatter("kvcascade: %(levelname)s: %(message)s")
+    formatter = cli._Formatter("kvcascade: %(levelname)s: %(message)s")
     for message in ("kvcascade: tier 'fs' is full", "tier 'fs' is full"):
         record = logging.LogRecord("kvcascade.tiers.fs", logging.WARNING, "", 0, message, (), None)
         assert formatter.format(record) == "kvcascade: WARNING: tier 'fs' is full"

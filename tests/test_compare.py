@@ -9,8 +9,8 @@ from collections import OrderedDict
 
 import pytest
 
-from kvcascade._cli import main
-from kvcascade._compare import (
+from kvcascade.replay.cli import main
+from kvcascade.replay.compare import (
     compare,
     oracle_hints,
     parse_hints,
@@ -18,8 +18,8 @@ from kvcascade._compare import (
     storable_blocks,
     unique_blocks,
 )
-from kvcascade._opt import belady_hits
-from kvcascade._trace import TraceRequest, bundled_trace, read_trace
+from kvcascade.replay.opt import belady_hits
+from kvcascade.replay.trace import TraceRequest, bundled_trace, read_trace
 
 
 def _brute_force(requests: list[list[int]], capacity: int) -> int:

@@ -1,4 +1,7 @@
-"""TieringCoordinator's synchronous hooks over real tier actors (spec §3.4–3.9, §9.7)."""
+"""TieringCoordinator's synchronous hooks over real tier actors.
+
+The scenarios of vLLM's ``tests/v1/kv_offload/tiering/test_tiering_offloading.py``, named per
+test."""
 
 from __future__ import annotations
 
@@ -51,8 +54,9 @@ def store(
 
 
 async def test_cascade_pins_once_per_tier_until_next_step() -> None:
-    """§9.7 136/137: complete_store cascades to every tier; ref_cnt = #tiers until the next
-    step's poll, even if the jobs already finished."""
+    """vLLM test_cascade_to_all_secondary_tiers / test_ref_cnt_protection_during_cascade:
+    complete_store cascades to every tier; ref_cnt = #tiers until the next step's poll, even if the
+    jobs already finished."""
     async with tiering() as (coord, host, tiers):
         ctx = kc.ReqContext("a")
         coord.on_new_request(ctx)
@@ -71,7 +75,8 @@ async def test_cascade_pins_once_per_tier_until_next_step() -> None:
 
 
 async def test_failed_store_never_cascades() -> None:
-    """§9.7 147: complete_store(success=False) submits nothing to the tiers."""
+    """vLLM test_failed_store_no_cascade: complete_store(success=False) submits nothing to the
+    tiers."""
     async with tiering() as (coord, _host, tiers):
         ctx = kc.ReqContext("a")
         out = coord.prepare_store([key(1)], ctx)
@@ -82,8 +87,9 @@ async def test_failed_store_never_cascades() -> None:
 
 
 async def test_promotion_from_secondary_is_byte_exact() -> None:
-    """§9.7 139: a secondary-only key answers HIT_PENDING; the first schedule end submits the
-    promotion, the poll after it completes makes it a primary HIT with the stored bytes."""
+    """vLLM test_promotion_from_secondary: a secondary-only key answers HIT_PENDING; the first
+    schedule end submits the promotion, the poll after it completes makes it a primary HIT with the
+    stored bytes."""
     async with tiering(num_blocks=2, num_tiers=1) as (coord, host, tiers):
         ctx = kc.ReqContext("a")
         store(coord, ctx, [key(1), key(2)], host)
@@ -110,7 +116,8 @@ async def test_promotion_from_secondary_is_byte_exact() -> None:
 
 
 async def test_failed_promotion_keeps_only_successful_blocks() -> None:
-    """§9.7 140: a promotion failing at its 2nd key completes the 1st and frees the rest."""
+    """vLLM test_failed_promotion_keeps_only_successful_blocks: a promotion failing at its 2nd key
+    completes the 1st and frees the rest."""
     async with tiering(num_blocks=4, num_tiers=1) as (coord, _host, tiers):
         ctx = kc.ReqContext("a")
         tiers[0].blocks[key(1)] = b"\x01" * 64
@@ -130,7 +137,9 @@ async def test_failed_promotion_keeps_only_successful_blocks() -> None:
 
 
 async def test_request_finalized_only_after_pending_stores() -> None:
-    """§9.7 151/153: tiers hear on_request_finished only when the request's stores are done."""
+    """vLLM test_on_request_finished_delays_secondary_until_store_submitted /
+    test_zero_store_request_finalizes_immediately: tiers hear on_request_finished only when the
+    request's stores are done."""
     async with tiering() as (coord, _host, _tiers):
         ctx = kc.ReqContext("a")
         coord.on_new_request(ctx)
@@ -146,7 +155,8 @@ async def test_request_finalized_only_after_pending_stores() -> None:
 
 
 async def test_events_primary_then_tiers() -> None:
-    """§9.7 134: take_events = the primary's events, then each tier's in tier order."""
+    """vLLM test_take_events_aggregates_tier_owned_events: take_events = the primary's events, then
+    each tier's in tier order."""
     async with tiering(num_blocks=2, num_tiers=2) as (coord, host, _tiers):
         ctx = kc.ReqContext("a")
         store(coord, ctx, [key(1)], host)
@@ -185,9 +195,9 @@ async def test_cascade_api_round_trip_through_memory_tier() -> None:
 
 
 async def test_stalled_write_expires_and_late_report_cannot_land() -> None:
-    """Issue #4 / spec §10.2: a write still HIT_PENDING after pending_write_timeout_s is failed
-    (its key becomes a miss); its slot stays quarantined until the late writer reports, and the
-    late report neither revives the key nor disturbs a newer write of the same key."""
+    """Issue #4 / vLLM issue #49829: a write still HIT_PENDING after pending_write_timeout_s is
+    failed (its key becomes a miss); its slot stays quarantined until the late writer reports, and
+    the late report neither revives the key nor disturbs a newer write of the same key."""
     async with tiering(num_blocks=2, num_tiers=0) as (coord, _host, _tiers):
         coord.pending_write_timeout_s = 0.05
         stalled, fresh = kc.ReqContext("stalled"), kc.ReqContext("fresh")

@@ -1,7 +1,8 @@
-"""CPUOffloadingManager conformance: the applicable scenarios of spec §9.1 (vLLM's
+"""CPUOffloadingManager conformance: the applicable scenarios of vLLM's
 ``tests/v1/kv_offload/cpu/test_manager.py``), LRU and ARC where the scenario applies to both.
 
-Not applicable: §9.1.3 and §9.1.24 (the reuse filter, ``store_threshold``, is not implemented).
+Not applicable: vLLM's test_filter_reused_manager_reports_stores_skipped_counter and
+test_filter_reused_manager (the reuse filter, ``store_threshold``, is not implemented).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def store(mgr: CPUOffloadingManager, *ids: int):
 
 
 def test_cpu_eviction_removed_precedes_stored() -> None:
-    """§9.1.1: the removal event of an eviction precedes the store event; medium CPU."""
+    """vLLM test_cpu_eviction_removed_precedes_stored: the removal event of an eviction precedes the
+    store event; medium CPU."""
     mgr = CPUOffloadingManager(2, enable_events=True)
     store(mgr, 1, 2)
     list(mgr.take_events())
@@ -49,7 +51,8 @@ def test_cpu_eviction_removed_precedes_stored() -> None:
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_already_stored_block_not_evicted_during_prepare_store(policy: str) -> None:
-    """§9.1.2: keys of the call are protected; the LRU candidate 2 (passed again) survives."""
+    """vLLM test_already_stored_block_not_evicted_during_prepare_store: keys of the call are
+    protected; the LRU candidate 2 (passed again) survives."""
     mgr = CPUOffloadingManager(4, policy)
     store(mgr, 1, 2)
     mgr.touch(k(1))
@@ -63,8 +66,8 @@ def test_already_stored_block_not_evicted_during_prepare_store(policy: str) -> N
 
 
 def test_cpu_manager_reports_cache_usage_gauge() -> None:
-    """§9.1.4: usage is 0 for capacity 0 and an empty cache, 0.5/1.0 at 2/4 allocated, then
-    drops to 0.5/0.0 as stores complete."""
+    """vLLM test_cpu_manager_reports_cache_usage_gauge: usage is 0 for capacity 0 and an empty
+    cache, 0.5/1.0 at 2/4 allocated, then drops to 0.5/0.0 as stores complete."""
     assert CPUOffloadingManager(0).get_stats().usage == 0.0
     mgr = CPUOffloadingManager(4)
     assert mgr.get_stats().usage == 0.0
@@ -79,8 +82,9 @@ def test_cpu_manager_reports_cache_usage_gauge() -> None:
 
 
 def test_cpu_manager_reports_allocation_size_histogram() -> None:
-    """§9.1.5: allocations of 2 then 1 new key (3 requested, 2 present) → count 2, sum 3; the
-    next call has no samples. Buckets are vLLM's 1, 4, 16, …, 262144."""
+    """vLLM test_cpu_manager_reports_allocation_size_histogram: allocations of 2 then 1 new key (3
+    requested, 2 present) → count 2, sum 3; the next call has no samples. Buckets are vLLM's 1, 4,
+    16, …, 262144."""
     mgr = CPUOffloadingManager(8)
     store(mgr, 1, 2)
     store(mgr, 1, 2, 3)
@@ -93,7 +97,8 @@ def test_cpu_manager_reports_allocation_size_histogram() -> None:
 def test_cpu_manager_reports_allocation_size_on_allocation_failure(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """§9.1.6: an allocation that raises is still recorded (count 1, sum 3); the error escapes."""
+    """vLLM test_cpu_manager_reports_allocation_size_on_allocation_failure: an allocation that
+    raises is still recorded (count 1, sum 3); the error escapes."""
     mgr = CPUOffloadingManager(8)
 
     def boom(n: int) -> list:
@@ -107,7 +112,8 @@ def test_cpu_manager_reports_allocation_size_on_allocation_failure(
 
 
 def test_cpu_manager_reports_allocation_size_on_eviction_failure() -> None:
-    """§9.1.7: capacity 1 with a pinned block: prepare_store returns None, histogram records 1."""
+    """vLLM test_cpu_manager_reports_allocation_size_on_eviction_failure: capacity 1 with a pinned
+    block: prepare_store returns None, histogram records 1."""
     mgr = CPUOffloadingManager(1)
     store(mgr, 1)
     mgr.prepare_load(k(1))
@@ -118,7 +124,8 @@ def test_cpu_manager_reports_allocation_size_on_eviction_failure() -> None:
 
 
 def test_cpu_manager_reports_cache_write_and_read_usage_gauges() -> None:
-    """§9.1.8: write usage while stores pend, read usage while loads pin, and their sum."""
+    """vLLM test_cpu_manager_reports_cache_write_and_read_usage_gauges: write usage while stores
+    pend, read usage while loads pin, and their sum."""
     mgr = CPUOffloadingManager(4)
     mgr.prepare_store(k(1, 2))
     assert mgr.get_stats().write_usage == 0.5
@@ -133,7 +140,8 @@ def test_cpu_manager_reports_cache_write_and_read_usage_gauges() -> None:
 
 
 def test_cpu_manager_clears_write_usage_after_failed_store() -> None:
-    """§9.1.9: a failed completion returns write, read and total usage to 0."""
+    """vLLM test_cpu_manager_clears_write_usage_after_failed_store: a failed completion returns
+    write, read and total usage to 0."""
     mgr = CPUOffloadingManager(4)
     mgr.prepare_store(k(1, 2))
     mgr.complete_store(k(1, 2), success=False)
@@ -143,7 +151,7 @@ def test_cpu_manager_clears_write_usage_after_failed_store() -> None:
 
 
 def test_cpu_manager() -> None:
-    """§9.1.10 / §2.4 worked example (LRU, capacity 4): slots, victims, None when full, load
+    """vLLM test_cpu_manager, the LRU walkthrough (capacity 4): slots, victims, None when full, load
     pinning, touch order, failed completion and the exact event sets."""
     mgr = CPUOffloadingManager(4, "lru", enable_events=True)
     out = mgr.prepare_store(k(1, 2))
@@ -178,7 +186,8 @@ def test_cpu_manager() -> None:
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_prepare_load_preserves_key_order(policy: str) -> None:
-    """§9.1.11: prepare_load's slot ids are co-indexed with the keys, forward and permuted."""
+    """vLLM test_prepare_load_preserves_key_order: prepare_load's slot ids are co-indexed with the
+    keys, forward and permuted."""
     mgr = CPUOffloadingManager(4, policy)
     store(mgr, 1, 2, 3, 4)
     assert mgr.prepare_load(k(1, 2, 3, 4)).block_ids.tolist() == [0, 1, 2, 3]
@@ -191,7 +200,8 @@ def arc(mgr: CPUOffloadingManager) -> ARCCachePolicy:
 
 
 def test_arc_basic() -> None:
-    """§9.1.12: HIT_PENDING before completion, HIT after, MISS unknown; both in T1."""
+    """vLLM TestARCPolicy.test_basic: HIT_PENDING before completion, HIT after, MISS unknown; both
+    in T1."""
     mgr = CPUOffloadingManager(4, "arc")
     mgr.prepare_store(k(1, 2))
     assert mgr.lookup(k(1)[0]) is PENDING
@@ -201,7 +211,8 @@ def test_arc_basic() -> None:
 
 
 def test_arc_t1_to_t2_promotion() -> None:
-    """§9.1.13: touching a completed T1 block moves it to T2; a not-ready one stays in T1."""
+    """vLLM TestARCPolicy.test_t1_to_t2_promotion: touching a completed T1 block moves it to T2; a
+    not-ready one stays in T1."""
     mgr = CPUOffloadingManager(4, "arc")
     store(mgr, 1)
     mgr.prepare_store(k(2))
@@ -210,7 +221,8 @@ def test_arc_t1_to_t2_promotion() -> None:
 
 
 def test_arc_eviction_with_load() -> None:
-    """§9.1.14: blocks pinned by loads block eviction; after complete_load it succeeds."""
+    """vLLM TestARCPolicy.test_eviction_with_load: blocks pinned by loads block eviction; after
+    complete_load it succeeds."""
     mgr = CPUOffloadingManager(2, "arc")
     store(mgr, 1, 2)
     mgr.prepare_load(k(1, 2))
@@ -221,7 +233,8 @@ def test_arc_eviction_with_load() -> None:
 
 
 def test_arc_adaptive_target() -> None:
-    """§9.1.15: an evicted key lands in B1; touching the ghost raises target_t1_size."""
+    """vLLM TestARCPolicy.test_adaptive_target: an evicted key lands in B1; touching the ghost
+    raises target_t1_size."""
     mgr = CPUOffloadingManager(2, "arc")
     store(mgr, 1, 2)
     store(mgr, 3)
@@ -232,7 +245,8 @@ def test_arc_adaptive_target() -> None:
 
 
 def test_arc_t1_t2_eviction_policy() -> None:
-    """§9.1.16: T1={1,2}, T2={3,4}, |T1| ≥ target: a new store evicts 1 into B1; 5 joins T1."""
+    """vLLM TestARCPolicy.test_t1_t2_eviction_policy: T1={1,2}, T2={3,4}, |T1| ≥ target: a new store
+    evicts 1 into B1; 5 joins T1."""
     mgr = CPUOffloadingManager(4, "arc")
     store(mgr, 1, 2, 3, 4)
     mgr.touch(k(3, 4))
@@ -261,7 +275,8 @@ def _count_scans(policy: ARCCachePolicy) -> tuple[_CountingDict, _CountingDict]:
 
 
 def test_arc_batch_eviction_scans_t1_and_t2_once() -> None:
-    """§9.1.17: batch order = T1 picks then T2 picks; each entry is yielded at most once."""
+    """vLLM TestARCPolicy.test_batch_eviction_scans_t1_and_t2_once: batch order = T1 picks then T2
+    picks; each entry is yielded at most once."""
     policy = ARCCachePolicy(4)
     for i, key in enumerate(k(1, 2, 3, 4)):
         policy.insert(key, _ready(i))
@@ -273,7 +288,8 @@ def test_arc_batch_eviction_scans_t1_and_t2_once() -> None:
 
 
 def test_arc_batch_eviction_falls_back_after_t1_iterator_exhausted() -> None:
-    """§9.1.18: one eligible T1 entry with |T1| ≥ target: the rest come from T2, in order."""
+    """vLLM TestARCPolicy.test_batch_eviction_falls_back_after_t1_iterator_exhausted: one eligible
+    T1 entry with |T1| ≥ target: the rest come from T2, in order."""
     policy = ARCCachePolicy(6)
     for i, key in enumerate(k(1, 2, 3, 4)):
         policy.insert(key, _ready(i))
@@ -286,7 +302,8 @@ def test_arc_batch_eviction_falls_back_after_t1_iterator_exhausted() -> None:
 
 
 def test_arc_batch_eviction_failure_is_atomic() -> None:
-    """§9.1.19: evict(2) with one candidate returns None and leaves T1/T2/B1/B2 unchanged."""
+    """vLLM TestARCPolicy.test_batch_eviction_failure_is_atomic: evict(2) with one candidate returns
+    None and leaves T1/T2/B1/B2 unchanged."""
     policy = ARCCachePolicy(4)
     for i, key in enumerate(k(1, 2)):
         policy.insert(key, _ready(i))
@@ -297,7 +314,8 @@ def test_arc_batch_eviction_failure_is_atomic() -> None:
 
 
 def test_arc_ghost_list_bounds() -> None:
-    """§9.1.20: after many evictions |B1|, |B2| ≤ capacity and the target stays in [0, c]."""
+    """vLLM TestARCPolicy.test_ghost_list_bounds: after many evictions |B1|, |B2| ≤ capacity and the
+    target stays in [0, c]."""
     mgr = CPUOffloadingManager(3, "arc")
     for i in range(60):
         store(mgr, i)
@@ -308,8 +326,8 @@ def test_arc_ghost_list_bounds() -> None:
 
 
 def test_arc_touch_ordering() -> None:
-    """§9.1.21: touch [1,3,4] promotes 1 and refreshes 3,4: T1={2}, T2={1,3,4}; next store
-    evicts 2."""
+    """vLLM TestARCPolicy.test_touch_ordering: touch [1,3,4] promotes 1 and refreshes 3,4: T1={2},
+    T2={1,3,4}; next store evicts 2."""
     mgr = CPUOffloadingManager(4, "arc")
     store(mgr, 1, 2, 3, 4)
     mgr.touch(k(3, 4))
@@ -319,7 +337,8 @@ def test_arc_touch_ordering() -> None:
 
 
 def test_arc_failed_store() -> None:
-    """§9.1.22: a failed new key leaves T1/T2 (MISS); its victim stays evicted (in B1)."""
+    """vLLM TestARCPolicy.test_failed_store: a failed new key leaves T1/T2 (MISS); its victim stays
+    evicted (in B1)."""
     mgr = CPUOffloadingManager(1, "arc")
     store(mgr, 1)
     mgr.prepare_store(k(2))
@@ -329,7 +348,8 @@ def test_arc_failed_store() -> None:
 
 
 def test_arc_full_scenario() -> None:
-    """§9.1.23: evictions come from T1 while the T2 members 2 and 3 stay HIT; event sets."""
+    """vLLM TestARCPolicy.test_full_scenario: evictions come from T1 while the T2 members 2 and 3
+    stay HIT; event sets."""
     mgr = CPUOffloadingManager(3, "arc", enable_events=True)
     store(mgr, 1, 2, 3)
     mgr.touch(k(2, 3))
@@ -347,8 +367,9 @@ def test_arc_full_scenario() -> None:
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_evictable_cache_block_count(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """§9.1.25: num_evictable through store/complete, a double load (no double decrement),
-    eviction, failed store, reset, and the fast-path None that never consults the policy."""
+    """vLLM test_evictable_cache_block_count: num_evictable through store/complete, a double load
+    (no double decrement), eviction, failed store, reset, and the fast-path None that never consults
+    the policy."""
     mgr = CPUOffloadingManager(2, policy)
     mgr.prepare_store(k(1, 2))
     assert mgr.num_evictable == 0
@@ -378,7 +399,8 @@ def test_evictable_cache_block_count(policy: str, monkeypatch: pytest.MonkeyPatc
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_touch_forwards_req_context_to_policy(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """§9.1.26: manager.touch passes the same keys and ReqContext object to the policy."""
+    """vLLM test_touch_forwards_req_context_to_policy: manager.touch passes the same keys and
+    ReqContext object to the policy."""
     mgr = CPUOffloadingManager(2, policy)
     seen = []
     monkeypatch.setattr(mgr.policy, "touch", lambda keys, ctx: seen.append((keys, ctx)))
@@ -388,7 +410,7 @@ def test_touch_forwards_req_context_to_policy(policy: str, monkeypatch: pytest.M
 
 
 def test_lookup_counters_and_reset() -> None:
-    """§2.3 get_stats counters (lookups, hits, pending hits, evictions) and reset_cache."""
+    """vLLM's ``get_stats`` counters (lookups, hits, pending hits, evictions) and reset_cache."""
     mgr = CPUOffloadingManager(1)
     store(mgr, 1)
     mgr.prepare_store(k(2))  # evicts 1
@@ -405,5 +427,5 @@ def _ready(slot: int) -> BlockStatus:
 
 
 def test_lru_policy_is_registered_default() -> None:
-    """§2.4: the default policy is LRU."""
+    """The default policy is LRU, as in vLLM's ``kv_offload/cpu/manager.py``."""
     assert isinstance(CPUOffloadingManager(1).policy, LRUCachePolicy)

@@ -1,4 +1,4 @@
-"""The device tier: chunked GPU↔CPU transfers (spec §5.3) and the CUDA event bridge (issue #6),
+"""The device tier: chunked GPU↔CPU transfers (docs/device.md) and the CUDA event bridge (issue #6),
 on CPU tensors standing in for device memory, and on a real CUDA device where one is present
 (``benchmarks/gpu_check.sh``)."""
 
@@ -32,8 +32,8 @@ def fill(kv: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("dev", DEVICES)
 async def test_chunked_load_follows_the_spec_example(dev: str) -> None:
-    """§5.3 worked example: k=3, load, group block index 4, n=4, CPU chunks [7, 2] → GPU blocks
-    0..3 receive (chunk 7, pos 1), (7, 2), (2, 0), (2, 1)."""
+    """The docs/device.md worked example: k=3, load, group block index 4, n=4, CPU chunks [7, 2] →
+    GPU blocks 0..3 receive (chunk 7, pos 1), (7, 2), (2, 0), (2, 1)."""
     host = kc.HostBuffer(8, 3 * PAGE)
     device = DeviceTier(8, host, blocks_per_chunk=3, device=dev)
     rows = host.tensor()

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import aiohttp
 import valkey_fixtures
 
 server = valkey_fixtures.server  # a redis-server process for the shared-pool example
@@ -66,13 +67,12 @@ async def test_aiohttp_server_example_serves_concurrent_requests(tmp_path: Path)
     of 2 blocks, the first block shared: wave A, four waves of other prompts (41 blocks for 32
     CPU slots: A's own blocks, the least recent, go to the fs tier only), then A again: every
     block found, the shared one in the CPU tier, A's own in the fs tier, each loaded block
-    equal to its prefill."""
-    import aiohttp
-
+    equal to its prefill. Process start and stop run in a thread: they block for seconds."""
     port = valkey_fixtures.free_port()
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     cmd = [sys.executable, str(EXAMPLES / "aiohttp_server.py"), "--port", str(port)]
-    proc = subprocess.Popen(
+    proc = await asyncio.to_thread(
+        subprocess.Popen,
         [*cmd, "--fs-dir", str(tmp_path)],
         env={**os.environ, "PYTHONPATH": path},
         stdout=subprocess.DEVNULL,
@@ -117,6 +117,6 @@ async def test_aiohttp_server_example_serves_concurrent_requests(tmp_path: Path)
                 assert resp.status == 400
     finally:
         proc.terminate()
-        _, err = proc.communicate(timeout=60)
+        _, err = await asyncio.to_thread(proc.communicate, None, 60)
     assert proc.returncode == 0, err[-2000:]
     assert list(tmp_path.rglob("*.bin"))  # the fs tier kept the blocks

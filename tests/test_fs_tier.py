@@ -848,6 +848,7 @@ async def test_single_thread_alternates_between_loads_and_stores(
         assert order == ["S", "L"] * 3
 
 
+@pytest.mark.blocks_loop  # it blocks the loop to show the threads go on without it
 async def test_threads_take_queued_jobs_without_the_loop(
     tmp_path: Path, host: kc.HostBuffer
 ) -> None:
@@ -902,12 +903,11 @@ _WRITER = textwrap.dedent("""
 """)
 
 
-async def test_kill_9_while_writing_1000_blocks(tmp_path: Path, io_path: str) -> None:
-    """Issue #5 tests: SIGKILL a process in the middle of writing 1,000 blocks; a fresh tier on
-    the directory removes the temp files, and every hit loads exactly the stored bytes."""
-    block = 256 * 1024 + 4096  # two pieces on the compiled path's fused I/O
+def _kill_writer_mid_run(root: Path, io_path: str, block: int) -> None:
+    """Start a process writing 1,000 blocks under ``root`` and SIGKILL it after 30 (off the
+    loop: it waits for the writer's lines)."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", _WRITER.format(block=block), str(tmp_path), io_path],
+        [sys.executable, "-c", _WRITER.format(block=block), str(root), io_path],
         stdout=subprocess.PIPE,
         text=True,
         cwd=REPO,
@@ -918,6 +918,13 @@ async def test_kill_9_while_writing_1000_blocks(tmp_path: Path, io_path: str) ->
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     proc.stdout.close()
+
+
+async def test_kill_9_while_writing_1000_blocks(tmp_path: Path, io_path: str) -> None:
+    """Issue #5 tests: SIGKILL a process in the middle of writing 1,000 blocks; a fresh tier on
+    the directory removes the temp files, and every hit loads exactly the stored bytes."""
+    block = 256 * 1024 + 4096  # two pieces on the compiled path's fused I/O
+    await asyncio.to_thread(_kill_writer_mid_run, tmp_path, io_path, block)
     host = kc.HostBuffer(4, block)
     try:
         tier = FileSystemTier(host, tmp_path, mapper())

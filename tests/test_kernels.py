@@ -433,7 +433,7 @@ def test_extension_op_validates_itself() -> None:
     assert torch.equal(src, dst)
 
 
-# ---------------------------------------------------------------- chunk plan (spec §5.3)
+# ------------------------------------------------------ chunk plan (docs/device.md, copy plan)
 
 
 def test_plan_worked_example() -> None:

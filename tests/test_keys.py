@@ -1,4 +1,4 @@
-"""Offload key layout (spec §1.1)."""
+"""Offload key layout (vLLM's ``make_offload_key`` in ``vllm/v1/kv_offload/base.py``)."""
 
 import pytest
 
@@ -6,7 +6,7 @@ import kvcascade as kc
 
 
 def test_key_is_hash_then_group_big_endian() -> None:
-    """§1.1: raw block-hash bytes followed by the group index as 4 bytes big-endian unsigned."""
+    """Raw block-hash bytes followed by the group index as 4 bytes big-endian unsigned."""
     key = kc.make_offload_key(b"\xab\xcd", 258)
     assert key == b"\xab\xcd\x00\x00\x01\x02"
     assert kc.split_offload_key(key) == (b"\xab\xcd", 258)

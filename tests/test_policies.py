@@ -1,5 +1,6 @@
-"""Cache policies: the registry (spec §9.4), our ARC fallback (spec §10), and a model-based
-stateful test of CPUOffloadingManager with LRU and ARC."""
+"""Cache policies: the registry (vLLM's
+``tests/v1/kv_offload/cpu/policies/test_factory.py``), our ARC fallback (docs/cpu-tier.md), and a
+model-based stateful test of CPUOffloadingManager with LRU and ARC."""
 
 from __future__ import annotations
 
@@ -51,19 +52,21 @@ def custom_module(monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def test_pre_registered_policies_can_be_imported() -> None:
-    """§9.4.78: every registry entry resolves to a CachePolicy subclass."""
+    """vLLM test_pre_registered_policies_can_be_imported: every registry entry resolves to a
+    CachePolicy subclass."""
     for name in registered_cache_policies():
         assert issubclass(resolve_cache_policy(name), CachePolicy)
 
 
 def test_lru_and_arc_registered() -> None:
-    """§9.4.79: "lru" and "arc" resolve to the LRU and ARC classes."""
+    """vLLM test_lru_and_arc_registered: "lru" and "arc" resolve to the LRU and ARC classes."""
     assert resolve_cache_policy("lru") is LRUCachePolicy
     assert resolve_cache_policy("arc") is ARCCachePolicy
 
 
 def test_register_and_resolve_custom_policy(isolated_registry: None) -> None:
-    """§9.4.80: a registered custom policy resolves and the manager uses it."""
+    """vLLM test_register_and_resolve_custom_policy: a registered custom policy resolves and the
+    manager uses it."""
     register_cache_policy("custom", CustomPolicy)
     assert resolve_cache_policy("custom") is CustomPolicy
     assert type(CPUOffloadingManager(2, "custom").policy) is CustomPolicy
@@ -77,8 +80,9 @@ def test_register_lazy_string(isolated_registry: None, custom_module: str) -> No
 
 @pytest.mark.parametrize("name", ["nope", "nope:", "a:b:c"])
 def test_unregistered_policy_raises(name: str) -> None:
-    """§9.4.81/85: unknown name (no module path) → ValueError "Unknown cache policy" listing the
-    registered names."""
+    """vLLM test_unregistered_policy_raises / test_unregistered_policy_without_module_path_raises:
+    unknown name (no module path) → ValueError "Unknown cache policy" listing the registered
+    names."""
     with pytest.raises(ValueError, match="Unknown cache policy") as info:
         resolve_cache_policy(name)
     assert isinstance(info.value, ConfigError)
@@ -88,20 +92,22 @@ def test_unregistered_policy_raises(name: str) -> None:
 
 
 def test_duplicate_registration_raises(isolated_registry: None) -> None:
-    """§9.4.82: registering a taken name → ValueError "is already registered"."""
+    """vLLM test_duplicate_registration_raises: registering a taken name → ValueError "is already
+    registered"."""
     with pytest.raises(ValueError, match="is already registered"):
         register_cache_policy("lru", CustomPolicy)
 
 
 def test_dynamic_load_via_cache_policy_module_path(custom_module: str) -> None:
-    """§9.4.83: an unregistered name plus a module path resolves the class of that name; so
-    does "module:Class"."""
+    """vLLM test_dynamic_load_via_cache_policy_module_path: an unregistered name plus a module path
+    resolves the class of that name; so does "module:Class"."""
     assert resolve_cache_policy("CustomPolicy", custom_module) is CustomPolicy
     assert resolve_cache_policy(f"{custom_module}:CustomPolicy") is CustomPolicy
 
 
 def test_manager_resolves_policy_via_module_path(custom_module: str) -> None:
-    """§9.4.84: a manager built with a module path uses that policy."""
+    """vLLM test_manager_resolves_policy_via_module_path: a manager built with a module path uses
+    that policy."""
     mgr = CPUOffloadingManager(2, "CustomPolicy", cache_policy_module_path=custom_module)
     assert type(mgr.policy) is CustomPolicy
 
@@ -131,7 +137,8 @@ def _arc_with(t1_ready: int, t2_ready: int, t2_pinned: int, target: float) -> AR
 
 
 def test_arc_falls_back_to_t1_when_t2_has_no_candidate() -> None:
-    """Divergence (spec §10): |T1| < target and T2 all pinned: vLLM returns None, we evict T1."""
+    """Divergence (docs/cpu-tier.md): |T1| < target and T2 all pinned: vLLM returns None, we evict
+    T1."""
     policy = _arc_with(t1_ready=2, t2_ready=0, t2_pinned=2, target=5.0)
     victims = policy.evict(2, set())
     assert victims is not None and [k for k, _ in victims] == [b"k0", b"k1"]

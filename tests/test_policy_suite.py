@@ -15,8 +15,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "ben
 
 import policy_suite
 
-from kvcascade._compare import compare
-from kvcascade._trace import TOKENS_PER_BLOCK
+from kvcascade.replay.compare import compare
+from kvcascade.replay.trace import TOKENS_PER_BLOCK
 
 N = 1000
 
@@ -62,7 +62,7 @@ def test_chained_ids_mean_equal_prefixes(traces: dict[str, list]) -> None:
 
 
 def test_conversations_follow_turns() -> None:
-    from kvcascade._trace import TraceRequest
+    from kvcascade.replay.trace import TraceRequest
 
     trace = [
         TraceRequest(0, 0, 1500, (0, 1, 2)),

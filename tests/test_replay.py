@@ -20,9 +20,9 @@ import pytest
 from valkey_fixtures import Server, needs_server
 
 from kvcascade import CascadeConfig, TraceError
-from kvcascade._cli import main
-from kvcascade._replay import block_key, expected_bytes, run_replay
-from kvcascade._trace import TraceRequest, bundled_trace, read_trace
+from kvcascade.replay.cli import main
+from kvcascade.replay.run import block_key, expected_bytes, run_replay
+from kvcascade.replay.trace import TraceRequest, bundled_trace, read_trace
 from kvcascade.tiers._block_format import HEADER_BYTES, check_block, encode_header
 from kvcascade.tiers._file_mapper import FileMapper, default_identity
 
@@ -50,9 +50,9 @@ def two_level_lru(
 ) -> dict[str, int]:
     """A plain simulation of the replay's GPU LRU prefix cache over a CPU LRU tier (no fs).
 
-    CPU recency follows vLLM's LRU (spec §2.4): touch of all the request's keys in reverse
-    order, loaded keys re-enter at the most-recent end in order, stores skip present keys,
-    evict least-recent keys not in the store call, and append the new keys in order.
+    CPU recency follows vLLM's LRU (``kv_offload/cpu/policies/lru.py``): touch of all the request's
+    keys in reverse order, loaded keys re-enter at the most-recent end in order, stores skip present
+    keys, evict least-recent keys not in the store call, and append the new keys in order.
     """
     gpu: collections.OrderedDict[int, None] = collections.OrderedDict()
     cpu: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -243,7 +243,7 @@ def test_malformed_trace_line_names_line(tmp_path: Path) -> None:
 
 def test_negative_size_exits_nonzero_without_traceback() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "kvcascade._cli", "replay", "--cpu-blocks", "-5"],
+        [sys.executable, "-m", "kvcascade.replay.cli", "replay", "--cpu-blocks", "-5"],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
@@ -262,7 +262,7 @@ def test_interrupted_replay_removes_its_temporary_fs_tier(
     is gone (a SIGTERM used to leave hundreds of MB behind)."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvcascade._cli", "replay", "--quiet"],
+        [sys.executable, "-m", "kvcascade.replay.cli", "replay", "--quiet"],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -288,7 +288,7 @@ def test_the_next_replay_removes_the_directory_a_killed_replay_left(tmp_path: Pa
     """Issue #21 item 9: SIGKILL leaves the temporary fs tier behind; the next replay removes
     it (its owner process is gone) and leaves a live replay's directory alone."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    cmd = [sys.executable, "-m", "kvcascade._cli", "replay", "--quiet"]
+    cmd = [sys.executable, "-m", "kvcascade.replay.cli", "replay", "--quiet"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         until = time.monotonic() + 120
@@ -344,7 +344,7 @@ def test_fs_max_bytes_needs_an_fs_tier(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_credentials_never_reach_reports_or_reprs() -> None:
     """S3 credentials given in config are redacted in the config repr and the replay report."""
-    from kvcascade._replay import _describe
+    from kvcascade.replay.run import _describe
 
     config = CascadeConfig(cpu_blocks=1, secondary_tiers=[{"type": "memory"}])
     config.secondary_tiers.append({"type": "s3", "secret_key": "hunter2", "access_key": "AK"})
@@ -375,7 +375,7 @@ def test_a_trace_without_line_ends_is_a_clear_error(
 ) -> None:
     """Issue #21 item 10: an endless file without line ends (``/dev/zero``) ends with one clear
     error naming the line, not a MemoryError."""
-    monkeypatch.setattr("kvcascade._trace._MAX_LINE", 1 << 20)  # reach the bound sooner
+    monkeypatch.setattr("kvcascade.replay.trace._MAX_LINE", 1 << 20)  # reach the bound sooner
     assert main(["replay", "/dev/zero", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "/dev/zero:1: line longer than 1048576 characters" in err
@@ -413,7 +413,7 @@ def test_impossible_sizes_and_tier_keys_are_clear_errors(
 def test_config_values_are_checked_before_running(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """vLLM's own key checks (spec §1.8, §1.9) and ours, before any work is done."""
+    """vLLM's own key checks (``build_offloading_config``) and ours, before any work is done."""
     assert main(["replay", "--requests", "2", "--quiet", *argv]) == 2
     assert message in capsys.readouterr().err
 
@@ -581,7 +581,7 @@ def test_compare_policies_shows_a_progress_bar_on_a_terminal() -> None:
     every simulated request (requests × policies × capacities) on stderr, a real pty."""
     parent, child = pty.openpty()
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # 120 columns
-    cmd = [sys.executable, "-m", "kvcascade._cli", "replay", "--compare-policies", "lru,arc"]
+    cmd = [sys.executable, "-m", "kvcascade.replay.cli", "replay", "--compare-policies", "lru,arc"]
     proc = subprocess.Popen(
         [*cmd, "--requests", "50", "--capacities", "0.1"], stdout=subprocess.PIPE, stderr=child
     )

@@ -35,9 +35,9 @@ from tier_helpers import BLOCK, job, key, load, lookups, pattern, running, store
 
 import kvcascade as kc
 from kvcascade import LookupResult as R
-from kvcascade._cli import main
-from kvcascade._replay import replay
-from kvcascade._trace import TraceRequest
+from kvcascade.replay.cli import main
+from kvcascade.replay.run import replay
+from kvcascade.replay.trace import TraceRequest
 from kvcascade.tiers import s3 as s3_tier_module
 from kvcascade.tiers._block_format import HEADER_BYTES, file_size
 from kvcascade.tiers._file_mapper import FileMapper, default_identity

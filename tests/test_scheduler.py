@@ -1,6 +1,8 @@
 """Scheduler-side offload rules (kvcascade.scheduler) driven by a plain fake scheduler.
 
-Each test names the spec scenario it covers (§9.13 numbers) in its docstring. No vLLM needed.
+Each test names the vLLM test it mirrors, from
+``tests/v1/kv_connector/unit/offloading_connector/test_scheduler.py``, in its docstring. No vLLM
+needed.
 """
 
 from __future__ import annotations
@@ -184,26 +186,26 @@ def ack(sched: OffloadScheduler, plan: kc.scheduler.StepPlan, workers: int = 1) 
     return sched.on_jobs_finished(jobs)
 
 
-# -- lookup: maximal prefix (§9.13 280–292) ----------------------------------------------------
+# -- lookup: maximal prefix (vLLM TestMaximalPrefixLookup) -----------------------------------
 @pytest.mark.parametrize(
     ("answers", "expected", "calls"),
     [
-        ([H, H], 2, 2),  # 280 all hit
-        ([M, M], 0, 1),  # 282 all miss
-        ([H, H, M, H], 2, 3),  # 283 partial prefix
-        ([M, H], 0, 1),  # 284 miss first
-        ([H], 1, 1),  # 285 single hit
-        ([], 0, 0),  # 286 empty
-        ([T], None, 1),  # 287 RETRY alone
-        ([P], None, 1),  # 287 HIT_PENDING alone
-        ([T, H], None, 2),  # 288 RETRY defers, the scan continues
-        ([H, T], None, 2),  # 289 RETRY after hit
-        ([H, P, H, M, H], None, 4),  # 290/291 HIT_PENDING defers, does not stop the scan
-        ([T, M, H], None, 2),  # 292 RETRY then miss
+        ([H, H], 2, 2),  # all hit
+        ([M, M], 0, 1),  # all miss
+        ([H, H, M, H], 2, 3),  # partial prefix
+        ([M, H], 0, 1),  # miss first
+        ([H], 1, 1),  # single hit
+        ([], 0, 0),  # empty
+        ([T], None, 1),  # RETRY alone
+        ([P], None, 1),  # HIT_PENDING alone
+        ([T, H], None, 2),  # RETRY defers, the scan continues
+        ([H, T], None, 2),  # RETRY after hit
+        ([H, P, H, M, H], None, 4),  # HIT_PENDING defers, does not stop the scan
+        ([T, M, H], None, 2),  # RETRY then miss
     ],
 )
 def test_maximal_prefix(answers: list[R], expected: int | None, calls: int) -> None:
-    """§9.13 280–292: maximal-prefix lookup over one full-attention group."""
+    """vLLM TestMaximalPrefixLookup: maximal-prefix lookup over one full-attention group."""
     sched, m = make()
     m.answers = {key(i): a for i, a in enumerate(answers)}
     keys = [key(i) for i in range(len(answers))]
@@ -211,34 +213,34 @@ def test_maximal_prefix(answers: list[R], expected: int | None, calls: int) -> N
     assert len(m.named("lookup")) == calls
 
 
-# -- lookup: suffix window (§6.4 examples, §9.13 293–306) -------------------------------------
+# -- lookup: suffix window (vLLM TestSlidingWindowLookup) -----------------------------------
 @pytest.mark.parametrize(
     ("answers", "window", "expected"),
     [
-        ([H, H], 2, 2),  # 293 exact window
-        ([M, M, M], 2, 0),  # 294 all miss
-        ([M, H, H], 2, 3),  # 295 window at end
-        ([M, H, H, M], 2, 3),  # 296 window in middle
-        ([H, H, M], 3, 2),  # 297 prefix fallback
-        ([M, H, M], 1, 2),  # 298 window 1
-        ([H, M, H, M], 2, 1),  # 299 gap resets the run
-        ([H, H, M, H, H], 2, 5),  # 300 rightmost window wins
-        ([H, M, H, H, H], 4, 1),  # 301 prefix fallback with gap
-        ([], 2, 0),  # 302 empty
-        ([H, H, T, H], 2, None),  # 303 RETRY defers
-        ([H, H, T], 2, None),  # 304 RETRY defers even with a full window elsewhere
-        ([H, P, H], 3, None),  # 305/306 HIT_PENDING counts but defers
+        ([H, H], 2, 2),  # exact window
+        ([M, M, M], 2, 0),  # all miss
+        ([M, H, H], 2, 3),  # window at end
+        ([M, H, H, M], 2, 3),  # window in middle
+        ([H, H, M], 3, 2),  # prefix fallback
+        ([M, H, M], 1, 2),  # window 1
+        ([H, M, H, M], 2, 1),  # gap resets the run
+        ([H, H, M, H, H], 2, 5),  # rightmost window wins
+        ([H, M, H, H, H], 4, 1),  # prefix fallback with gap
+        ([], 2, 0),  # empty
+        ([H, H, T, H], 2, None),  # RETRY defers
+        ([H, H, T], 2, None),  # RETRY defers even with a full window elsewhere
+        ([H, P, H], 3, None),  # HIT_PENDING counts but defers
     ],
 )
 def test_suffix_window(answers: list[R], window: int, expected: int | None) -> None:
-    """§6.4 worked examples and §9.13 293–306: suffix-window lookup."""
+    """vLLM TestSlidingWindowLookup (``_lookup_complete_chunks``): suffix-window lookup."""
     sched, m = make()
     m.answers = {key(i): a for i, a in enumerate(answers)}
     keys = [key(i) for i in range(len(answers))]
     assert sched._suffix_window(keys, window, kc.ReqContext("r")) == expected
 
 
-# -- store reachability (§9.13 267) -----------------------------------------------------------
+# -- store reachability (vLLM test_is_store_reachable_swa_chunk) -----------------------------
 @pytest.mark.parametrize(
     ("chunk", "storable", "window", "alignment", "expected"),
     [
@@ -259,14 +261,15 @@ def test_suffix_window(answers: list[R], window: int, expected: int | None) -> N
 def test_is_store_reachable(
     chunk: int, storable: int, window: int, alignment: int | None, expected: bool
 ) -> None:
-    """§9.13 267: the segment-tail rule for windowed chunks (§6.8 step 4)."""
+    """vLLM test_is_store_reachable_swa_chunk: the segment-tail rule for windowed chunks
+    (``_build_store_jobs``)."""
     assert is_store_reachable(chunk, storable, window, alignment) is expected
 
 
 # -- stores ---------------------------------------------------------------------------------
 def test_store_chunks_once_and_partial_chunk_waits() -> None:
-    """§9.13 272: k=3, incremental cursor stores each complete chunk once; a partial chunk is
-    not stored; an empty keys_to_store advances the cursor."""
+    """vLLM test_offloading_connector: k=3, incremental cursor stores each complete chunk once; a
+    partial chunk is not stored; an empty keys_to_store advances the cursor."""
     sched, m = make(k=3, prompt_only=False)
     eng = Engine(sched)
     req = FakeRequest("a", num_prompt_tokens=30)  # 7 full blocks of 4 → 2 chunks of 12
@@ -292,7 +295,8 @@ def test_store_chunks_once_and_partial_chunk_waits() -> None:
 
 
 def test_offload_prompt_only() -> None:
-    """§9.13 314: with offload_prompt_only (the default) only prompt chunks are offered."""
+    """vLLM test_offload_prompt_only: with offload_prompt_only (the default) only prompt chunks are
+    offered."""
     sched, m = make()
     eng = Engine(sched)
     req = FakeRequest("a", num_prompt_tokens=24)
@@ -307,8 +311,9 @@ def test_offload_prompt_only() -> None:
 
 
 def test_failed_prepare_store_retries_and_leaves_others_alone() -> None:
-    """§9.13 263/272: prepare_store None → counted, cursor unmoved, retried next step; another
-    request in the same step is unaffected."""
+    """vLLM test_scheduler_reports_allocation_failure / test_offloading_connector: prepare_store
+    None → counted, cursor unmoved, retried next step; another request in the same step is
+    unaffected."""
     sched, m = make()
     eng = Engine(sched)
     a = FakeRequest("a", num_prompt_tokens=8)
@@ -335,9 +340,10 @@ def test_failed_prepare_store_retries_and_leaves_others_alone() -> None:
 
 
 def test_last_block_stored_at_finish_not_partial() -> None:
-    """§9.13 264/275: a block completed by the final decode is stored from finished_req_ids in
-    the next step (only computed tokens); a still-partial block is not; on_request_finished
-    fires once, after that final prepare_store; state is cleaned up."""
+    """vLLM test_last_block_offloaded_at_request_finish /
+    test_on_request_finished_fires_after_final_block_store: a block completed by the final decode is
+    stored from finished_req_ids in the next step (only computed tokens); a still-partial block is
+    not; on_request_finished fires once, after that final prepare_store; state is cleaned up."""
     sched, m = make(prompt_only=False)
     eng = Engine(sched)
     req = FakeRequest("a", num_prompt_tokens=6)
@@ -357,7 +363,8 @@ def test_last_block_stored_at_finish_not_partial() -> None:
 
 
 def test_abort_queued_request_builds_no_store_job() -> None:
-    """§9.13 265: an aborted request that was never scheduled stores nothing and is dropped."""
+    """vLLM test_abort_queued_request_does_not_build_store_job: an aborted request that was never
+    scheduled stores nothing and is dropped."""
     sched, _m = make()
     eng = Engine(sched)
     req = FakeRequest("a", num_prompt_tokens=16, aborted=True, finished=True)
@@ -368,8 +375,9 @@ def test_abort_queued_request_builds_no_store_job() -> None:
 
 
 def test_on_request_finished_not_deferred_by_stores_in_flight() -> None:
-    """§9.13 274: the manager hook fires in the step after finish even with stores in flight;
-    the state lives until the store is acknowledged."""
+    """vLLM test_on_request_finished_not_deferred_until_store_completion: the manager hook fires in
+    the step after finish even with stores in flight; the state lives until the store is
+    acknowledged."""
     sched, m = make()
     eng = Engine(sched)
     req = FakeRequest("a", num_prompt_tokens=8)
@@ -385,7 +393,8 @@ def test_on_request_finished_not_deferred_by_stores_in_flight() -> None:
 
 
 def test_complete_store_per_job_after_all_worker_acks() -> None:
-    """§9.13 311/312: one complete_store per job with only its keys, after every worker's ack."""
+    """vLLM test_complete_store_called_per_job / test_complete_store_waits_for_all_worker_acks: one
+    complete_store per job with only its keys, after every worker's ack."""
     sched, m = make(workers=3)
     eng = Engine(sched)
     req = FakeRequest("a", num_prompt_tokens=12)
@@ -401,7 +410,8 @@ def test_complete_store_per_job_after_all_worker_acks() -> None:
 
 
 def test_failed_store_completes_with_failure() -> None:
-    """A store a worker failed is completed with success=False (vLLM asserts instead, §10.6)."""
+    """A store a worker failed is completed with success=False (vLLM's ``offloading/worker.py``
+    asserts instead)."""
     sched, m = make()
     eng = Engine(sched)
     req = FakeRequest("a", num_prompt_tokens=4)
@@ -414,7 +424,8 @@ def test_failed_store_completes_with_failure() -> None:
 
 @pytest.mark.parametrize("value", [None, "5", 5.0, -1, True])
 def test_max_offload_tokens_validation(value: Any) -> None:
-    """§9.13 313: invalid caps mean no cap; 0 stores nothing (lookups still happen, 269)."""
+    """vLLM test_max_offload_tokens_validation: invalid caps mean no cap; 0 stores nothing (lookups
+    still happen)."""
     assert parse_max_offload_tokens({"max_offload_tokens": value}) is None
     sched, _m = make()
     eng = Engine(sched)
@@ -425,7 +436,9 @@ def test_max_offload_tokens_validation(value: Any) -> None:
 
 
 def test_max_offload_tokens_zero_and_cap() -> None:
-    """§9.13 269/313: cap 0 → lookups happen but nothing is stored; cap 4 → one chunk."""
+    """vLLM test_max_offload_tokens_zero_does_not_record_pending_lookups /
+    test_max_offload_tokens_validation: cap 0 → lookups happen but nothing is stored; cap 4 → one
+    chunk."""
     sched, m = make()
     eng = Engine(sched)
     zero = FakeRequest("z", 8, kv_transfer_params={"max_offload_tokens": 0})
@@ -439,7 +452,8 @@ def test_max_offload_tokens_zero_and_cap() -> None:
 
 
 def test_request_level_policy_restores_prefix_hits() -> None:
-    """§9.13 307: REQUEST_LEVEL offers the loaded prefix too; BLOCK_LEVEL does not."""
+    """vLLM test_request_level_policy_stores_all_blocks: REQUEST_LEVEL offers the loaded prefix too;
+    BLOCK_LEVEL does not."""
     for policy, offered in (
         (kc.OffloadPolicy.REQUEST_LEVEL, [key(0), key(1), key(2)]),
         (kc.OffloadPolicy.BLOCK_LEVEL, [key(2)]),
@@ -459,8 +473,9 @@ def test_request_level_policy_restores_prefix_hits() -> None:
 
 # -- loads ----------------------------------------------------------------------------------
 def test_load_job_skips_gpu_cached_blocks() -> None:
-    """§9.13 272/§6.5: a load of a middle chunk: GPU-cached blocks are not loaded, the GPU spec
-    carries the block index of the first loaded block; touch covers all keys."""
+    """vLLM test_offloading_connector (``update_state_after_alloc``): a load of a middle chunk:
+    GPU-cached blocks are not loaded, the GPU spec carries the block index of the first loaded
+    block; touch covers all keys."""
     sched, m = make(k=2, answers={key(3): H, key(5): H})
     req = FakeRequest("a", 26)  # 6 blocks, 3 chunks: keys 1, 3, 5
     hits = admit(sched, req, num_computed=8)  # the GPU holds blocks 0, 1 (chunk 0)
@@ -479,7 +494,8 @@ def test_load_job_skips_gpu_cached_blocks() -> None:
 
 
 def test_no_lookup_when_less_than_a_chunk_remains() -> None:
-    """§9.13 272: fewer than a chunk beyond the computed tokens → no lookup, 0."""
+    """vLLM test_offloading_connector: fewer than a chunk beyond the computed tokens → no lookup,
+    0."""
     sched, m = make(k=2, answers={key(1): H})
     req = FakeRequest("a", 10)
     assert admit(sched, req, num_computed=8) == (0, False)
@@ -503,7 +519,8 @@ def test_prepare_load_failure_becomes_failed_job() -> None:
 
 
 def test_concurrent_lookups_of_the_same_prefix_wait() -> None:
-    """§9.13 276: a second request for chunks being loaded is deferred, no second load."""
+    """vLLM test_concurrent_lookups_of_the_same_prefix: a second request for chunks being loaded is
+    deferred, no second load."""
     sched, _m = make(answers={key(0): H, key(1): H})
     a, b = FakeRequest("a", 9), FakeRequest("b", 9)
     assert admit(sched, a) == (8, True)
@@ -512,11 +529,13 @@ def test_concurrent_lookups_of_the_same_prefix_wait() -> None:
     plan = sched.build_step(StepInput())
     ack(sched, plan)
     assert sched.get_num_new_matched_tokens("b", 0) == (8, True)
-    assert len(sched.stats.lookup_async_delays) == 1  # §9.13 268
+    # as vLLM's test_scheduler_reports_lookup_async_delay_on_resolve
+    assert len(sched.stats.lookup_async_delays) == 1
 
 
 def test_abort_while_loading_keeps_state_until_load_completes() -> None:
-    """§9.13 277: an aborted request with a load in flight stays until the load completes."""
+    """vLLM test_abort_loading_requests: an aborted request with a load in flight stays until the
+    load completes."""
     sched, _m = make(answers={key(0): H})
     req = FakeRequest("a", 5)
     admit(sched, req)
@@ -531,7 +550,7 @@ def test_abort_while_loading_keeps_state_until_load_completes() -> None:
 
 
 def test_skip_reading_prefix_cache_still_stores() -> None:
-    """§9.13 321: no lookup or load, but the blocks are stored."""
+    """vLLM test_skip_reading_prefix_cache: no lookup or load, but the blocks are stored."""
     sched, m = make(answers={key(0): H})
     eng = Engine(sched)
     req = FakeRequest("a", 8, skip_reading_prefix_cache=True)
@@ -543,8 +562,10 @@ def test_skip_reading_prefix_cache_still_stores() -> None:
 
 # -- preemption and fences --------------------------------------------------------------------
 def test_preemption_flushes_stores_and_defers_readmission() -> None:
-    """§9.13 273/317/318: a preempted request's stores are flushed; re-admitted before their
-    ack it is deferred (block ids cleared); afterwards it reloads its chunks from the cache."""
+    """vLLM test_request_preemption / test_pending_transfer_defers_prefix_lookup /
+    test_async_preempt_readmit_before_transfer_output_is_deferred: a preempted request's stores are
+    flushed; re-admitted before their ack it is deferred (block ids cleared); afterwards it reloads
+    its chunks from the cache."""
     sched, _m = make()
     eng = Engine(sched)
     req = FakeRequest("a", 8)
@@ -558,8 +579,8 @@ def test_preemption_flushes_stores_and_defers_readmission() -> None:
 
 
 def test_preempted_request_reloads() -> None:
-    """§9.13 273: the resumed request loads its stored chunks (all but the last token's
-    chunk: a full-prompt hit keeps one token to compute, as vLLM needs)."""
+    """vLLM test_request_preemption: the resumed request loads its stored chunks (all but the last
+    token's chunk: a full-prompt hit keeps one token to compute, as vLLM needs)."""
     sched, m = make()
     eng = Engine(sched)
     req = FakeRequest("a", 9)
@@ -576,9 +597,11 @@ def test_preempted_request_reloads() -> None:
 
 
 def test_fence_on_reuse_of_finished_requests_blocks() -> None:
-    """§9.13 308/309/310/336/337: loads never enter the fence; a finished request's in-flight
-    stores fence their source blocks; reusing such a block (new prefill or load) flushes every
-    job reading it; acks empty the fence."""
+    """vLLM test_loads_do_not_populate_fence_index / test_fence_at_update_state_after_alloc /
+    test_fence_at_build_store_jobs / test_request_finished_with_pending_stores_populates_fence /
+    test_multiple_in_flight_stores_all_flushed_by_fence: loads never enter the fence; a finished
+    request's in-flight stores fence their source blocks; reusing such a block (new prefill or load)
+    flushes every job reading it; acks empty the fence."""
     sched, m = make()
     eng = Engine(sched)
     a = FakeRequest("a", 8)
@@ -597,7 +620,7 @@ def test_fence_on_reuse_of_finished_requests_blocks() -> None:
     ack(sched, p1)
     ack(sched, p2)
     assert sched.fenced_block_ids() == set()
-    # a load into a block still fenced is flushed too (309)
+    # a load into a block still fenced is flushed too (vLLM test_fence_at_update_state_after_alloc)
     c = FakeRequest("c", 8, hash_base=200)
     admit(sched, c)
     p4 = eng.step({"c": 8}, new_blocks={"c": [5, 6]}, reqs={"c": c})
@@ -614,10 +637,11 @@ def test_fence_on_reuse_of_finished_requests_blocks() -> None:
 
 
 def test_sliding_window_and_full_groups() -> None:
-    """§9.13 278/338: a full-attention group and a window group (W=2): windowed blocks are
-    fenced at store creation, full-attention blocks at finish; lookup needs the prefix in the
-    full group and the last W chunks in the windowed one; touch skips chunks outside the
-    window."""
+    """vLLM test_two_groups_full_and_sliding_window /
+    test_request_finished_mixed_full_attn_and_sliding_window: a full-attention group and a window
+    group (W=2): windowed blocks are fenced at store creation, full-attention blocks at finish;
+    lookup needs the prefix in the full group and the last W chunks in the windowed one; touch skips
+    chunks outside the window."""
     groups = (GroupSpec(4), GroupSpec(4, window_chunks=2))
     sched, m = make(groups=groups)
     eng = Engine(sched, groups=2)
@@ -645,8 +669,9 @@ def test_sliding_window_and_full_groups() -> None:
 
 
 def test_stale_window_block_after_failed_store_is_skipped() -> None:
-    """§9.13 320: after a failed prepare_store, a windowed block id re-allocated elsewhere is
-    zeroed and skipped (never stored with someone else's data)."""
+    """vLLM test_stale_sliding_window_block_after_prepare_store_failure: after a failed
+    prepare_store, a windowed block id re-allocated elsewhere is zeroed and skipped (never stored
+    with someone else's data)."""
     groups = (GroupSpec(4), GroupSpec(4, window_chunks=1))
     sched, m = make(groups=groups, store_fails=True)
     eng = Engine(sched, groups=2)
@@ -663,7 +688,8 @@ def test_stale_window_block_after_failed_store_is_skipped() -> None:
 
 
 def test_two_groups_different_block_sizes() -> None:
-    """§9.13 279: groups of 4- and 8-token blocks keep their own chunks and cursors."""
+    """vLLM test_two_groups_different_block_sizes: groups of 4- and 8-token blocks keep their own
+    chunks and cursors."""
     sched, m = make(groups=(GroupSpec(4), GroupSpec(8)))
     req = FakeRequest("a", 16)
     admit(sched, req)
@@ -673,8 +699,9 @@ def test_two_groups_different_block_sizes() -> None:
 
 # -- reset ----------------------------------------------------------------------------------
 def test_reset_cache() -> None:
-    """§9.13 315/316: in-flight jobs flushed, manager reset, cursors to 0, stale acks ignored;
-    a finished request with a pending store gets on_request_finished exactly once."""
+    """vLLM test_reset_cache / test_reset_cache_finalizes_finished_request_with_pending_store:
+    in-flight jobs flushed, manager reset, cursors to 0, stale acks ignored; a finished request with
+    a pending store gets on_request_finished exactly once."""
     sched, m = make(answers={key(10): H})
     eng = Engine(sched)
     a = FakeRequest("a", 8)
@@ -700,8 +727,9 @@ def test_reset_cache() -> None:
 
 # -- events -----------------------------------------------------------------------------------
 def test_events_translate_per_group() -> None:
-    """§9.16 378/387 (placeholder form): events become one BlockEvent per group with raw hashes,
-    medium and removal flag."""
+    """vLLM test_take_events_publishes_routable_block_stored /
+    test_take_events_groups_removed_hashes_by_kv_group (placeholder form): events become one
+    BlockEvent per group with raw hashes, medium and removal flag."""
     sched, m = make()
     m.take_events = lambda: [  # type: ignore[method-assign]
         kc.OffloadingEvent([key(1), key(2, 1), key(3)], kc.Medium.CPU, False),
@@ -716,7 +744,8 @@ def test_events_translate_per_group() -> None:
 
 
 def test_config_validation() -> None:
-    """§9.15 371: blocks_per_chunk must be positive; block sizes must be hash multiples."""
+    """vLLM test_blocks_per_chunk_must_be_positive: blocks_per_chunk must be positive; block sizes
+    must be hash multiples."""
     with pytest.raises(ValueError, match="greater than 0"):
         SchedulerConfig((GroupSpec(4),), 4, 0)
     with pytest.raises(ValueError, match="tokens_per_hash"):

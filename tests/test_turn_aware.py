@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
 
 from kvcascade import CPUOffloadingManager, ReqContext
-from kvcascade._compare import storable_blocks
-from kvcascade._trace import TraceRequest
 from kvcascade.hints import SessionHint, admits_new_blocks, hint_of
 from kvcascade.policies import BlockStatus, TurnAwareCachePolicy, resolve_cache_policy
 from kvcascade.policies.adaptive import AdaptiveCachePolicy
 from kvcascade.policies.turn_aware import _Request
+from kvcascade.replay.compare import storable_blocks
+from kvcascade.replay.trace import TraceRequest
 
 CAPACITY = 4
 # Chains: key i of chain c is b"c<c>/<i>"; chains share nothing, so a touch of a chain's prefix

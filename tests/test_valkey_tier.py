@@ -23,11 +23,11 @@ from valkey_fixtures import Cluster, Server, ThrottleProxy, free_port, needs_ser
 
 import kvcascade as kc
 from kvcascade import LookupResult as R
-from kvcascade._cli import main
 from kvcascade.backpressure import CascadeAdmission
 from kvcascade.coordinator import TieringCoordinator
 from kvcascade.index.cpu import CPUOffloadingManager
 from kvcascade.metrics import TieringMetrics
+from kvcascade.replay.cli import main
 from kvcascade.tiers import valkey as valkey_module
 from kvcascade.tiers._block_format import HEADER_BYTES, encode_header, file_size
 from kvcascade.tiers._file_mapper import FileMapper, default_identity

@@ -1,4 +1,5 @@
-"""Canonical int8 block views over real KV tensors, for each layout (issue #6, spec §1.6)."""
+"""Canonical int8 block views over real KV tensors, for each layout (issue #6, vLLM's
+``CanonicalKVCaches``)."""
 
 from __future__ import annotations
 

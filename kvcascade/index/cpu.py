@@ -1,4 +1,6 @@
-"""Bookkeeping of the CPU primary tier: slots, ref counts, eviction (spec §2.1–2.3).
+"""Bookkeeping of the CPU primary tier: slots, ref counts, eviction.
+
+After vLLM's ``vllm/v1/kv_offload/cpu/manager.py``; see docs/cpu-tier.md.
 
 Synchronous, no I/O, no asyncio: every method returns at once. Data never passes through here;
 the slots it hands out are rows of the primary tier's host buffer (:mod:`kvcascade.tiers.cpu`,
@@ -53,7 +55,7 @@ def _cpu_spec(slots: list[int]) -> CPULoadStoreSpec:
 
 @dataclass
 class CPUTierStats:
-    """Primary-tier metrics returned by :meth:`CPUOffloadingManager.get_stats` (spec §2.3).
+    """Primary-tier metrics returned by :meth:`CPUOffloadingManager.get_stats`.
 
     Gauges (fractions of ``num_blocks``, 0 when ``num_blocks == 0``), measured at the call:
         usage: blocks pinned by in-flight transfers (not ready or being read) — vLLM's
@@ -96,9 +98,9 @@ class CPUOffloadingManager:
             name from (vLLM's ``cache_policy_module_path``).
 
     Slots: fresh slots are handed out in increasing order first, then released ones from a LIFO
-    free list (spec §2.2). ``prepare_store`` evicts atomically and protects every key of the call
-    (spec §2.3). Removal events always precede the store event that reuses the space. Not
-    implemented from vLLM: the reuse filter (``store_threshold``, spec §2.5).
+    free list. ``prepare_store`` evicts atomically and protects every key of the call
+    (as vLLM's). Removal events always precede the store event that reuses the space. Not
+    implemented from vLLM: the reuse filter (``store_threshold``, docs/cpu-tier.md).
 
     Cost: O(1) per key plus the policy's eviction scan; about 130–190 B of Python memory per
     tracked block (a recycled :class:`BlockStatus` per slot and the policy's ordered-dict entry).
@@ -164,7 +166,7 @@ class CPUOffloadingManager:
     def lookup(self, key: bytes, ctx: ReqContext | None = None) -> LookupResult:
         """``HIT`` if present and ready, ``HIT_PENDING`` if a write is in flight, else ``MISS``.
 
-        No recency change (spec §2.3).
+        No recency change (as vLLM's).
         """
         self._lookups += 1
         block = self._get(key)
@@ -304,7 +306,7 @@ class CPUOffloadingManager:
     def complete_store(
         self, keys: Collection[bytes], ctx: ReqContext | None = None, success: bool = True
     ) -> None:
-        """Finish the writes of ``prepare_store`` (spec §2.3).
+        """Finish the writes of ``prepare_store`` (vLLM's ``complete_store``).
 
         ``success``: not-ready keys become readable and evictable (one store event). Failure:
         not-ready keys are dropped and their slots freed. Absent or already-ready keys are
@@ -387,7 +389,7 @@ class CPUOffloadingManager:
         return iter(events)
 
     def get_stats(self) -> CPUTierStats:
-        """Gauges now and counters since the last call (spec §2.3 ``get_stats``); never None."""
+        """Gauges now and counters since the last call (vLLM's ``get_stats``); never None."""
         stats = CPUTierStats(
             allocation_counts=self._alloc_counts,
             allocation_count=sum(self._alloc_counts),
@@ -407,7 +409,7 @@ class CPUOffloadingManager:
         return stats
 
     def reset_cache(self, reserved: Collection[BlockStatus] = ()) -> None:
-        """Forget every block and the policy's state, unconditionally (spec §2.3).
+        """Forget every block and the policy's state, unconditionally (vLLM's ``reset``).
 
         The caller guarantees that no completion of a job prepared before the reset is applied
         afterwards. As in vLLM, queued events stay queued and no removal events are emitted for

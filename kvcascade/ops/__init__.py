@@ -1,8 +1,9 @@
 """Copy operations between the device KV cache and the primary tier.
 
 Public entries: :func:`swap_blocks` (block-id level, used by the tiers), :func:`batch_copy`
-(raw descriptor level), :func:`plan_chunk_copies` / :func:`plan_descriptors` (spec §5.3 chunk
-mapping), and the dispatch settings :class:`KernelSettings`.
+(raw descriptor level), :func:`plan_chunk_copies` / :func:`plan_descriptors` (the chunk
+mapping of vLLM's ``kv_offload/cpu/gpu_worker.py``), and the dispatch settings
+:class:`KernelSettings`.
 """
 
 from ._settings import KernelSettings, load_settings

@@ -1,7 +1,8 @@
 """Tuned constants of the copy kernels, as named settings with their provenance.
 
-Defaults come from vLLM's CPU offload worker (spec §5.4), **tuned by vLLM on an H100 over PCIe
-Gen5**; other machines may prefer other values. A JSON file can override any of them::
+Defaults come from vLLM's CPU offload worker (``kv_offload/cpu/gpu_worker.py``), **tuned by vLLM on
+an H100 over PCIe Gen5**; other machines may prefer other values. A JSON file can override any of
+them::
 
     {"triton_max_page_bytes": 262144, "triton_max_store_page_bytes": 262144,
      "triton_min_descriptors": 16, "triton_num_programs": 12,

@@ -1,4 +1,5 @@
-"""The chunked copy plan of spec §5.3: which CPU sub-block each GPU block of a transfer maps to.
+"""The chunked copy plan of vLLM's ``kv_offload/cpu/gpu_worker.py``: which CPU sub-block each GPU
+block of a transfer maps to.
 
 A CPU *chunk* holds ``k = blocks_per_chunk`` consecutive GPU blocks (*sub-blocks*). Sub-block
 ``j`` of chunk ``c`` lives at ``cpu_base + c·row_stride + j·page``; GPU block ``b`` at
@@ -31,7 +32,7 @@ def plan_chunk_copies(
     cpu_chunk_ids: Sequence[int],
     blocks_per_chunk: int,
 ) -> list[ChunkCopy]:
-    """Pair every GPU block of a transfer with its CPU sub-block (spec §5.3), group by group.
+    """Pair every GPU block of a transfer with its CPU sub-block (docs/device.md), group by group.
 
     For group ``g`` with ``n = gpu_spec_group_sizes[g]`` blocks starting at group block index
     ``bi = block_indices[g]``, the first GPU block sits ``s = bi mod k`` sub-blocks into its chunk;

@@ -1,7 +1,9 @@
 """Block copies between a device KV view and the primary tier's host buffer.
 
-:func:`swap_blocks` is the only entry the tiers use. It turns block ids into copy descriptors
-``(src address, dst address, bytes)`` and dispatches to one of four implementations:
+:func:`swap_blocks` copies rows given by block ids: it turns them into copy descriptors
+``(src address, dst address, bytes)`` and dispatches to one of four implementations (the device
+tier and the vLLM connector's worker side build descriptors from a copy plan themselves,
+:mod:`kvcascade.ops.plan`, and call :func:`batch_copy` / :func:`triton_batch_copy`):
 
 ============  ==================================================================================
 ``"cpp"``     the ``kernels/swap_blocks.cpp`` batch op: host ``memcpy`` (threaded above 4 MiB) for
@@ -11,8 +13,9 @@
               memory into the GPU (also GPU→pinned host when forced; under
               ``TRITON_INTERPRET=1`` CPU↔CPU only).
 ``"torch"``   ``index_select`` + ``index_copy_`` (always available; the reference).
-``"auto"``    spec §5.4: CPU→GPU uses ``"triton"`` when Triton is usable, the host rows are
-              pinned, page and addresses are multiples of 8, the page is below
+``"auto"``    vLLM's rule (``kv_offload/cpu/gpu_worker.py``): CPU→GPU uses ``"triton"`` when
+              Triton is usable, the host rows are pinned, page and addresses are multiples of 8,
+              the page is below
               ``triton_max_page_bytes`` (28 KiB) and there are at least
               ``triton_min_descriptors`` (16) copies, else ``"cpp"``; GPU→CPU likewise with
               ``triton_max_store_page_bytes`` (default 0: always ``"cpp"``, vLLM's rule);
@@ -318,13 +321,14 @@ def swap_blocks(
             e.g. a view of a shared host region). Non-torch kernels need ``stride(1) == 1``.
         dst: int8 tensor ``(num_dst_blocks, page_bytes)`` with the same page size.
         src_ids, dst_ids: 1-D int64 arrays of equal length (block ids; dst ids should be distinct).
-        kernel: ``"auto"`` (spec §5.4 dispatch, see module docstring), or force ``"cpp"``,
+        kernel: ``"auto"`` (vLLM's dispatch, see the module docstring), or force ``"cpp"``,
             ``"triton"`` or ``"torch"``.
 
     Returns:
         bytes copied (``len(src_ids) × page_bytes``). On CUDA the copy is enqueued on the current
         stream and may still be running; host→GPU copies through the C++ op let the driver read
-        the host rows out of stream order (spec §5.4 "ANY"), so nothing may write those rows until
+        the host rows out of stream order (``cudaMemcpyBatchAsync`` source access order "ANY", as in
+        vLLM's ``kv_offload/cpu/gpu_worker.py``), so nothing may write those rows until
         the copy completes.
 
     The first non-torch call builds the extension (tens of seconds, cached on disk afterwards):
@@ -404,7 +408,8 @@ def triton_batch_copy(
     max_page_bytes: int,
     device: torch.device | None = None,
 ) -> int:
-    """The Triton kernel over descriptor arrays (spec §5.4), enqueued on the current stream.
+    """The Triton kernel over descriptor arrays (vLLM's ``kv_offload/cpu/swap_blocks_triton.py``),
+    enqueued on the current stream.
 
     Args:
         src_ptrs, dst_ptrs, sizes: 1-D int64 CPU descriptor arrays (sizes multiples of 8 bytes).

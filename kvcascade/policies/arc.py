@@ -1,4 +1,7 @@
-"""Adaptive replacement (ARC) with vLLM's batch rules and a fallback vLLM lacks (spec §2.4, §10)."""
+"""Adaptive replacement (ARC) with vLLM's batch rules and a fallback vLLM lacks.
+
+vLLM's ARC: ``vllm/v1/kv_offload/cpu/policies/arc.py``; the fallback: docs/cpu-tier.md.
+"""
 
 from __future__ import annotations
 
@@ -37,10 +40,10 @@ class ARCCachePolicy(CachePolicy):
     the next such ``t2`` block. Victims then move to the recent end of ``b1`` / ``b2`` in pick
     order, and each ghost list is trimmed to ``c``.
 
-    Divergence from vLLM (spec §10, "ARC does not fall back to T1"): when ``|t1| < int(p)`` and
-    ``t2`` has no eligible block left, vLLM fails the whole eviction although ``t1`` still holds
-    evictable blocks. Here the pick then falls back to ``t1`` (continuing the same forward
-    iterator), so ``evict`` returns None only when fewer than ``n`` unpinned, ready,
+    Divergence from vLLM's ``kv_offload/cpu/policies/arc.py`` (docs/cpu-tier.md): when ``|t1| <
+    int(p)`` and ``t2`` has no eligible block left, vLLM fails the whole eviction although ``t1``
+    still holds evictable blocks. Here the pick then falls back to ``t1`` (continuing the same
+    forward iterator), so ``evict`` returns None only when fewer than ``n`` unpinned, ready,
     unprotected blocks exist in total. Whenever vLLM's ARC succeeds, the picks are identical.
 
     Memory: one ordered-dict entry per tracked block (about 100 B) plus, per ghost, one entry

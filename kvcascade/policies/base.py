@@ -1,4 +1,4 @@
-"""The cache-policy interface of the CPU primary tier (spec §2.4).
+"""The cache-policy interface of the CPU primary tier (vLLM ``kv_offload/cpu/policies/base.py``).
 
 A policy owns the key → :class:`BlockStatus` map of the primary tier and decides eviction order.
 It is synchronous, does no I/O, and is driven only by :class:`kvcascade.CPUOffloadingManager`.
@@ -13,7 +13,7 @@ from .._types import ReqContext
 
 
 class BlockStatus:
-    """State of one primary-tier slot while a key is tracked in it (spec §2.1).
+    """State of one primary-tier slot while a key is tracked in it (docs/cpu-tier.md).
 
     Attributes:
         ref_cnt: ``-1`` not ready (a write into the slot is in flight); ``0`` ready and idle
@@ -47,7 +47,8 @@ def as_sequence(keys: Collection[bytes]) -> Sequence[bytes]:
 
 
 class CachePolicy(ABC):
-    """Eviction policy of the primary tier; same contract as vLLM's ``CachePolicy`` (spec §2.4).
+    """Eviction policy of the primary tier; same contract as vLLM's ``CachePolicy``
+    (``kv_offload/cpu/policies/base.py``).
 
     Implementations are constructed as ``cls(cache_capacity=num_blocks)``. Every method runs on
     the caller's thread and must be cheap (O(1) per key, eviction O(n + skipped)). The manager

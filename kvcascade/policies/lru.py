@@ -1,4 +1,4 @@
-"""Least-recently-used eviction with vLLM's LRU semantics (spec §2.4)."""
+"""Least-recently-used eviction with vLLM's LRU semantics (``kv_offload/cpu/policies/lru.py``)."""
 
 from __future__ import annotations
 

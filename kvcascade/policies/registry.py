@@ -1,4 +1,4 @@
-"""Name → cache-policy class registry (spec §2.4 factory, §9.4).
+"""Name → cache-policy class registry (vLLM ``kv_offload/cpu/policies/factory.py``).
 
 Names resolve lazily to ``"module:Class"`` strings, so registering costs no import. Resolution
 order (as vLLM's factory): a registered name; else, with ``module_path`` (vLLM's

@@ -25,8 +25,8 @@ often. The policy therefore
    ``p (F(a + H) − F(a)) / (1 − p F(a))``;
 5. **admission**: a request's new blocks are stored only when a fresh block of its class is
    worth at least ``admission_margin`` times the cheapest evictable block (see :meth:`admits`;
-   the caller — :class:`kvcascade.coordinator.Coordinator` and the ``--compare-policies``
-   replay — asks through :func:`kvcascade.hints.admits_new_blocks`).
+   the caller — :meth:`kvcascade.coordinator.TieringCoordinator.prepare_store` and the
+   ``--compare-policies`` replay — asks through :func:`kvcascade.hints.admits_new_blocks`).
 
 Time is logical: one tick per block a request reads (hit or miss, counted when the request is
 classified), a clock that does not depend on the cache's own decisions. The turnover time is

@@ -5,10 +5,10 @@ Cache model (reproduces issue #9's LRU / ARC / OPT columns with the free rules o
 * One cache level: the CPU primary tier's real bookkeeping (:class:`CPUOffloadingManager` with
   the policy under test) of ``capacity`` blocks; no GPU prefix cache, no secondary tier, no
   bytes (bookkeeping only — the byte path is what ``kvcascade replay`` checks).
-* Each trace request, in arrival order, runs the connector's hook sequence (spec §6.3): look
-  up its keys in order and stop at the first miss (``h`` leading hits); ``touch`` its keys;
-  ``prepare_load`` / ``complete_load`` the ``h`` hits; ``prepare_store`` the rest (in pieces of
-  at most ``capacity`` blocks), ``touch`` again, ``complete_store``.
+* Each trace request, in arrival order, runs the connector's hook sequence (vLLM
+  ``offloading/scheduler.py``): look up its keys in order and stop at the first miss (``h`` leading
+  hits); ``touch`` its keys; ``prepare_load`` / ``complete_load`` the ``h`` hits; ``prepare_store``
+  the rest (in pieces of at most ``capacity`` blocks), ``touch`` again, ``complete_store``.
 * Prefix-level hit ratio: the sum of ``h`` over all requests divided by all block instances
   (a cached block counts only if every earlier block of its request hit). Cold start.
 * Capacity: a fraction of the trace's unique blocks, rounded down.
@@ -33,12 +33,12 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ._opt import belady_hits
-from ._replay import block_key
-from ._trace import TOKENS_PER_BLOCK, TraceRequest
-from ._types import LookupResult, ReqContext
-from .hints import SessionHint, admits_new_blocks
-from .index.cpu import CPUOffloadingManager
+from .._types import LookupResult, ReqContext
+from ..hints import SessionHint, admits_new_blocks
+from ..index.cpu import CPUOffloadingManager
+from .opt import belady_hits
+from .run import block_key
+from .trace import TOKENS_PER_BLOCK, TraceRequest
 
 _HIT = LookupResult.HIT
 
@@ -172,7 +172,7 @@ def simulate(
 
 
 def opt_run(trace: Sequence[TraceRequest], capacity: int, free_rules: bool = True) -> PolicyRun:
-    """Belady's OPT (:func:`kvcascade._opt.belady_hits`) on the same model as :func:`simulate`."""
+    """Belady's OPT (:func:`.opt.belady_hits`) on the same model as :func:`simulate`."""
     hits = belady_hits(
         [r.hash_ids for r in trace],
         capacity,

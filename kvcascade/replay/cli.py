@@ -14,11 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._errors import ConfigError, KVCascadeError
+from .._errors import ConfigError, KVCascadeError
 
 if TYPE_CHECKING:  # imported when a command runs: --help and --version never import torch
-    from ._config import CascadeConfig
-    from ._replay import ReplayReport
+    from .._config import CascadeConfig
+    from .run import ReplayReport
 
 DEFAULT_GPU_BLOCKS = 1024
 DEFAULT_CPU_BLOCKS = 8192
@@ -193,7 +193,7 @@ def build_replay_config(
 ) -> CascadeConfig:
     """Merge ``--config`` keys with the command-line options (options win); an fs tier without
     ``root_dir`` gets ``temporary_root()`` (a directory removed after the replay)."""
-    from ._config import CascadeConfig
+    from .._config import CascadeConfig
 
     extra = _load_config_arg(args.config)
     tiers = extra.get("secondary_tiers")
@@ -332,8 +332,8 @@ def _replay(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401 - checked before the run, used by write_plot
         except ImportError:
             raise ConfigError("--plot needs matplotlib: pip install 'kvcascade[plot]'") from None
-    from ._replay import run_replay, temporary_fs_root, write_plot
-    from ._trace import bundled_trace, read_trace
+    from .run import run_replay, temporary_fs_root, write_plot
+    from .trace import bundled_trace, read_trace
 
     with contextlib.ExitStack() as stack:
         config = build_replay_config(args, lambda: stack.enter_context(temporary_fs_root()))
@@ -358,8 +358,8 @@ def _compare(args: argparse.Namespace) -> int:
     if args.plot:
         raise ConfigError("--plot: only meaningful without --compare-policies")
     _check_writable(args.json_path)
-    from ._compare import compare, format_comparison
-    from ._trace import bundled_trace, read_trace
+    from .compare import compare, format_comparison
+    from .trace import bundled_trace, read_trace
 
     args.capacities = args.capacities or "0.01,0.05,0.1"
     args.hints = args.hints or "none"
@@ -404,8 +404,8 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from .ops import _build
-    from .ops.calibrate import calibrate
+    from ..ops import _build
+    from ..ops.calibrate import calibrate
 
     if _build.extension_if_ready() is None:  # starts the build in the background
         print(
@@ -425,7 +425,7 @@ def _version() -> str:
     try:
         return version("kvcascade")
     except PackageNotFoundError:  # run from a source tree that was never installed
-        from . import __version__
+        from .. import __version__
 
         return __version__
 
@@ -440,7 +440,7 @@ class _Formatter(logging.Formatter):
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from ._admin import format_inspection, inspect_root
+    from .._admin import format_inspection, inspect_root
 
     _check_writable(args.json_path)
     usages = inspect_root(args.root)
@@ -452,7 +452,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _purge(args: argparse.Namespace) -> int:
-    from ._admin import parse_age, purge_root
+    from .._admin import parse_age, purge_root
 
     if not (args.namespace or args.older_than or args.all):
         raise ConfigError(

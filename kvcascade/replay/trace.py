@@ -11,8 +11,8 @@ from importlib import resources
 from pathlib import Path
 from typing import TextIO
 
-from ._errors import TraceError
-from ._validate import is_int, is_number
+from .._errors import TraceError
+from .._validate import is_int, is_number
 
 TOKENS_PER_BLOCK = 512
 _MAX_ID = 1 << 64  # block ids become 8-byte block hashes

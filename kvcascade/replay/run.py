@@ -31,12 +31,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._config import CascadeConfig, redact
-from ._errors import ConfigError
-from ._keys import make_offload_key
-from ._trace import TraceRequest
-from ._types import ReqContext
-from .cascade import Cascade, open_cascade
+from .._config import CascadeConfig, redact
+from .._errors import ConfigError
+from .._keys import make_offload_key
+from .._types import ReqContext
+from ..cascade import Cascade, open_cascade
+from .trace import TraceRequest
 
 _K1 = np.uint64(0x9E3779B97F4A7C15)
 _K2 = np.uint64(0xBF58476D1CE4E5B9)

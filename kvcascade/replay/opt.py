@@ -1,6 +1,6 @@
 """Belady's OPT for the prefix-level cache model of ``kvcascade replay --compare-policies``.
 
-Model (see :mod:`kvcascade._compare`): one cache of ``capacity`` blocks; request ``r`` reads its
+Model (see :mod:`.compare`): one cache of ``capacity`` blocks; request ``r`` reads its
 blocks in order and hits the leading run that is cached; afterwards any of its storable blocks
 may be cached, within capacity. OPT knows the future: it caches a block unless it is never read
 again or every cached block is needed sooner, and evicts the block whose next read is furthest
