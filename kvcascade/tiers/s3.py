@@ -90,7 +90,15 @@ from .._errors import (
 from .._types import OffloadingEvent
 from .._validate import config_int, config_seconds, is_number
 from ._backend import Backend, Meaning, NotFoundError
-from ._block_format import HEADER_BYTES, check_block, encode_header, file_size
+from ._block_format import (
+    HEADER_BYTES,
+    SECRET_KEYS,
+    BlockAuth,
+    block_auth,
+    check_block,
+    encode_header,
+    file_size,
+)
 from ._capacity import CapacityIndex
 from ._file_mapper import FileMapper
 from .base import SecondaryTier, gather_blocks
@@ -286,6 +294,8 @@ class S3Tier(SecondaryTier):
         name: tier name in metrics and events (default ``"s3"``).
         io_timeout_s: per-job deadline in seconds from submission.
         max_queued_jobs: jobs allowed to wait; stores beyond it are refused.
+        auth: authenticate blocks (:class:`~kvcascade.tiers._block_format.BlockAuth`, docs/
+            fs-tier.md "Authenticated blocks"); None = checksums only.
 
     Raises:
         ConfigError: a value out of range (named, with the value).
@@ -312,6 +322,7 @@ class S3Tier(SecondaryTier):
         name: str = "s3",
         io_timeout_s: float = 30.0,
         max_queued_jobs: int = 1024,
+        auth: BlockAuth | None = None,
     ) -> None:
         super().__init__(
             name,
@@ -338,6 +349,7 @@ class S3Tier(SecondaryTier):
                 f"got {orphan_upload_age_s!r}"
             )
         self.mapper = mapper
+        self._auth = auth
         self.bucket = bucket
         self.endpoint_url = endpoint_url
         self.endpoint = _display_endpoint(endpoint_url, region)
@@ -543,7 +555,7 @@ class S3Tier(SecondaryTier):
             if victims:
                 await self._evict(victims)
             header = memoryview(bytearray(HEADER_BYTES))
-            encode_header(key, row, header)
+            encode_header(key, row, header, self._auth)
             parts = [header, row, _ZEROS[: size - HEADER_BYTES - row.nbytes]]
             object_key = self.object_key(key)
             if size > self.multipart_threshold_bytes:
@@ -639,7 +651,7 @@ class S3Tier(SecondaryTier):
                     raise
                 header = memoryview(bytearray(HEADER_BYTES))
                 await self._read_body(answer, object_key, [header, row])
-            check_block(key, header, row, object_key)
+            check_block(key, header, row, object_key, self._auth)
         except CorruptBlockError as exc:
             await self._corrupt(exc, functools.partial(self._discard, key))
             raise
@@ -738,6 +750,7 @@ _CONFIG_KEYS = {
     "name",
     "io_timeout_s",
     "max_queued_jobs",
+    *SECRET_KEYS,
 }
 _SECRET_KEYS = ("access_key", "secret_key", "session_token")
 
@@ -752,11 +765,14 @@ def s3_tier_from_config(host: HostBuffer, mapper: FileMapper, cfg: dict[str, Any
     ``max_bytes`` (unbounded), ``orphan_upload_age_s`` (3600: incomplete multipart uploads of the
     namespace older than this are aborted at start-up; 0: all of them), ``cache_salt`` (tenant
     salt folded into the namespace), ``name``
-    (``"s3"``), ``io_timeout_s`` (30 s per job), ``max_queued_jobs`` (1024).
+    (``"s3"``), ``io_timeout_s`` (30 s per job), ``max_queued_jobs`` (1024), ``auth_secret_env``
+    or ``auth_secret_file`` (secret of authenticated blocks,
+    :func:`~kvcascade.tiers._block_format.block_auth`; default none).
 
     Raises:
         ConfigError: missing ``bucket``, an unknown key (named, never its value), a value of the
-            wrong type or range, or only one of ``access_key``/``secret_key``.
+            wrong type or range, only one of ``access_key``/``secret_key``, or a secret that
+            cannot be read (:func:`~kvcascade.tiers._block_format.block_auth`).
     """
     unknown = sorted(set(cfg) - _CONFIG_KEYS)
     if unknown:
@@ -789,6 +805,7 @@ def s3_tier_from_config(host: HostBuffer, mapper: FileMapper, cfg: dict[str, Any
     credentials = _Credentials(access, secret, cfg.get("session_token")) if access else None
     if cfg.get("cache_salt"):
         mapper = mapper.with_salt(cfg["cache_salt"])
+    auth = block_auth(cfg, "s3 tier", mapper.namespace)
     return S3Tier(
         host,
         mapper,
@@ -808,4 +825,5 @@ def s3_tier_from_config(host: HostBuffer, mapper: FileMapper, cfg: dict[str, Any
         name=cfg.get("name") or "s3",
         io_timeout_s=seconds("io_timeout_s", 30.0),
         max_queued_jobs=integer("max_queued_jobs", 1024),
+        auth=auth,
     )
