@@ -868,3 +868,39 @@ def test_cli_replay_with_fs_and_s3(
     table = capsys.readouterr().out
     assert "hit blocks: s3" in table and "bytes cpu → s3" in table
     assert SECRET_KEY not in out.read_text() and SECRET_KEY not in table
+
+
+# -- authenticated blocks (issue #21 item 5) ------------------------------------------------
+BLOCK_SECRET = "kvcascade-s3-block-secret-0123456789"  # tests assert it never shows up
+
+
+async def test_authenticated_objects_forged_refused_shared_by_the_same_secret(
+    moto: MotoServer,
+    bucket: str,
+    host: kc.HostBuffer,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With a secret: an object forged with valid checksums (as a tier without a secret writes
+    it) fails its load and is deleted; a tier with the same secret loads the writer's objects,
+    one with another secret fails the MAC and deletes them. The secret is in no log record."""
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("KVC_S3_SECRET", BLOCK_SECRET)
+    monkeypatch.setenv("KVC_S3_OTHER", BLOCK_SECRET[::-1])
+    writer = make_tier(moto.endpoint, bucket, host, auth_secret_env="KVC_S3_SECRET")
+    reader = make_tier(moto.endpoint, bucket, host, auth_secret_env="KVC_S3_SECRET")
+    other = make_tier(moto.endpoint, bucket, host, auth_secret_env="KVC_S3_OTHER")
+    plain = make_tier(moto.endpoint, bucket, host)
+    client = moto.client()
+    async with running(writer, reader, other, plain):
+        assert (await store(writer, host, [1, 2])).success
+        assert (await load(reader, [1], [8])).success and bytes(host.row(8)) == pattern(1)
+        failed = await load(other, [2], [9])
+        assert not failed.success and "MAC mismatch" in failed.error
+        assert (await store(plain, host, [3])).success  # valid checksums, no MAC: a forgery
+        failed = await load(reader, [3], [9])
+        assert not failed.success and "not authenticated" in failed.error
+        assert reader.counters["corrupt_blocks"] == 1 and other.counters["corrupt_blocks"] == 1
+        left = {o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]}
+        assert left == {writer.object_key(key(1))}
+    assert BLOCK_SECRET not in caplog.text and BLOCK_SECRET[::-1] not in caplog.text
