@@ -1489,3 +1489,38 @@ def test_secret_config_errors_name_the_source_never_the_secret(
             {"root_dir": "x", "auth_secret_env": "A", "auth_secret_file": "B"}, 1
         )
     assert not root.exists()
+
+
+async def test_engines_with_the_same_secret_share_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three Cascades on one fs root, one after the other: the second (same secret) finds and
+    loads the first one's block byte for byte; the third (another secret) finds the file but
+    its load fails the MAC (loaded 0), and the file is gone. No secret in logs or config.json."""
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("KVC_ENGINE_SECRET", SECRET)
+    monkeypatch.setenv("KVC_ENGINE_OTHER", SECRET[::-1])
+
+    def cfg(env: str) -> kc.CascadeConfig:
+        tier = {"type": "fs", "root_dir": str(tmp_path), "auth_secret_env": env}
+        return kc.CascadeConfig(block_bytes=64, gpu_blocks=8, cpu_blocks=4, secondary_tiers=[tier])
+
+    async with kc.open_cascade(cfg("KVC_ENGINE_SECRET")) as writer:
+        writer.device.kv[1] = 7
+        ctx = kc.ReqContext("w")
+        assert (await writer.store([key(1)], ctx, [1])).stored == [key(1)]
+        await writer.wait_cascades()
+        writer.finish_request(ctx)
+    [path] = files(tmp_path, ".bin")
+    for env, loaded in [("KVC_ENGINE_SECRET", 1), ("KVC_ENGINE_OTHER", 0)]:
+        async with kc.open_cascade(cfg(env)) as reader:
+            ctx = kc.ReqContext("r")
+            found = await reader.lookup_prefix([key(1)], ctx)
+            assert found.tiers == ["fs"]
+            assert (await reader.load(found.keys, ctx, [5])).loaded == loaded
+            reader.finish_request(ctx)
+            if loaded:
+                assert bytes(reader.device.kv[5].numpy()) == b"\x07" * 64
+    assert not path.exists()  # deleted by the engine with the other secret
+    for text in [caplog.text, *(p.read_text() for p in tmp_path.rglob("config.json"))]:
+        assert SECRET not in text and SECRET[::-1] not in text
