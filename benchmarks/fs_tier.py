@@ -7,7 +7,9 @@ stored, then loaded back, in jobs of ``--blocks-per-job`` blocks:
   actor (``submit_store`` / ``submit_load`` of every job at once, then awaiting the futures):
   header + xxh3-64 checksums written and verified, atomic temp + rename, capacity off. The
   kernel extension is loaded (built if needed) before timing, so the tier runs its compiled
-  batch helpers (``kernels/fs_io.cpp``); ``--python-mover`` measures the pure-Python fallback.
+  batch helpers (``kernels/fs_io.cpp``); ``--python-mover`` measures the pure-Python fallback,
+  ``--authenticated`` a tier with authenticated blocks (HMAC-SHA256, which runs the pure-Python
+  mover: docs/fs-tier.md "Authenticated blocks"), to compare with ``--python-mover``.
 * raw: a ``concurrent.futures.ThreadPoolExecutor`` with the same number of threads, one task
   per job, doing per block ``os.mkdir`` of missing parents + ``open(tmp, O_CREAT|O_EXCL|
   O_WRONLY[|O_DIRECT])`` + one ``os.write`` + close + ``os.replace``; loads ``open`` +
@@ -41,6 +43,7 @@ import torch
 
 import kvcascade as kc
 from kvcascade.ops import _build
+from kvcascade.tiers._block_format import BlockAuth
 from kvcascade.tiers._file_mapper import FileMapper, default_identity
 from kvcascade.tiers.fs import FileSystemTier
 
@@ -171,6 +174,7 @@ async def bench_size(args: argparse.Namespace, block: int) -> dict[str, float]:
                 max_queued_jobs=n // per + 1,
                 o_direct=not args.buffered,
                 compiled_io=not args.python_mover,
+                auth=BlockAuth(os.urandom(32), mapper.namespace) if args.authenticated else None,
             )
             raw = Raw(host, args.threads, tier.o_direct)
             raw_paths = [str(parent / "raw" / mapper.relative_path(k)) for k in keys]
@@ -228,10 +232,15 @@ async def main() -> None:
     parser.add_argument(
         "--python-mover", action="store_true", help="the tier's pure-Python mover (no extension)"
     )
+    parser.add_argument(
+        "--authenticated", action="store_true", help="authenticated blocks (HMAC-SHA256)"
+    )
     args = parser.parse_args()
     if not os.path.isdir(args.root):
         parser.error(f"--root {args.root!r} is not a directory")
-    if args.python_mover:
+    if args.authenticated:
+        mover = "python, authenticated (HMAC-SHA256)"
+    elif args.python_mover:
         mover = "python"
     elif _build.load_extension() is not None:
         mover = "compiled"

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging
 import os
 import random
 import signal
@@ -34,7 +35,13 @@ import kvcascade as kc
 from kvcascade import LookupResult as R
 from kvcascade.ops import _build
 from kvcascade.tiers import fs
-from kvcascade.tiers._block_format import FORMAT_VERSION, HEADER_BYTES, check_block, file_size
+from kvcascade.tiers._block_format import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    check_block,
+    encode_header,
+    file_size,
+)
 from kvcascade.tiers._file_mapper import FileMapper, default_identity
 from kvcascade.tiers.fs import FileSystemTier, fs_tier_from_config
 
@@ -1368,3 +1375,159 @@ async def test_store_job_moves_every_block_after_one_failed_block(
             loaded = await load(tier, [1, 3, 5], [10, 11, 12])
             assert loaded.success, loaded.error
             assert [bytes(host.row(s)) for s in (10, 11, 12)] == [pattern(i) for i in (1, 3, 5)]
+
+
+# -- authenticated blocks (issue #21 item 5) ------------------------------------------------
+SECRET = "kvcascade-fs-test-secret-0123456789"  # tests assert it never shows up
+
+
+def auth_tier(root: Path, host: kc.HostBuffer, secret_env: str | None = None) -> FileSystemTier:
+    cfg: dict[str, Any] = {"root_dir": str(root)}
+    if secret_env is not None:
+        cfg["auth_secret_env"] = secret_env
+    return fs_tier_from_config(host, mapper(), cfg)
+
+
+def forge(path: Path, k: bytes, payload: bytes, mac: bytes | None = None) -> None:
+    """Write a block file of ``payload`` under ``k`` with valid checksums; with ``mac``, flag it
+    authenticated with that (made-up) MAC."""
+    data = bytearray(file_size(len(payload)))
+    encode_header(k, payload, memoryview(data)[:HEADER_BYTES])
+    if mac is not None:
+        data[6] = 1  # flags bit 0: authenticated
+        data[32:64] = mac
+    data[HEADER_BYTES : HEADER_BYTES + len(payload)] = payload
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(bytes(data))
+
+
+async def test_forged_block_with_valid_checksum_is_refused_and_deleted(
+    tmp_path: Path,
+    host: kc.HostBuffer,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With a secret, a block forged with valid checksums (unflagged, or flagged with a made-up
+    MAC) fails its load, is deleted and counted; the tier's own blocks load. The same forged
+    file is served by a tier without a secret (checksums only, as before)."""
+    monkeypatch.setenv("KVC_TEST_SECRET", SECRET)
+    tier = auth_tier(tmp_path, host, "KVC_TEST_SECRET")
+    assert not tier.compiled_io  # the compiled helpers do not compute the MAC
+    async with running(tier):
+        assert (await store(tier, host, [1])).success
+        raw = (tmp_path / tier.mapper.relative_path(key(1))).read_bytes()
+        assert raw[6] == 1 and raw[32:64] != bytes(32)  # flagged, with a MAC
+        assert (await load(tier, [1], [4])).success and bytes(host.row(4)) == pattern(1)
+        for i, mac, reason in [(2, None, "not authenticated"), (3, b"\x07" * 32, "MAC mismatch")]:
+            path = tmp_path / tier.mapper.relative_path(key(i))
+            forge(path, key(i), pattern(99), mac)
+            check_block(key(i), path.read_bytes()[:HEADER_BYTES], memoryview(pattern(99)), "x")
+            failed = await load(tier, [i], [5])
+            assert not failed.success and reason in failed.error
+            assert not path.exists()
+        assert tier.counters["corrupt_blocks"] == 2
+    plain = auth_tier(tmp_path, host)
+    async with running(plain):
+        path = tmp_path / plain.mapper.relative_path(key(2))
+        forge(path, key(2), pattern(99))
+        assert (await load(plain, [2], [5])).success and bytes(host.row(5)) == pattern(99)
+        assert (await load(plain, [1], [6])).success  # authenticated blocks stay readable
+    assert SECRET not in caplog.text
+
+
+async def test_same_secret_shares_blocks_another_reads_nothing(
+    tmp_path: Path,
+    host: kc.HostBuffer,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two tiers with the same secret (one from the environment, one from a file) share blocks;
+    a tier with another secret, or one without a secret storing, gets misses only (the block
+    fails its MAC and is deleted). The secret is in no log record and not in config.json."""
+    caplog.set_level(logging.DEBUG)
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(SECRET + "\n")  # surrounding whitespace is stripped
+    monkeypatch.setenv("KVC_TEST_SECRET", SECRET)
+    monkeypatch.setenv("KVC_OTHER_SECRET", SECRET[::-1])
+    root = tmp_path / "cache"
+    writer = auth_tier(root, host, "KVC_TEST_SECRET")
+    reader = fs_tier_from_config(
+        host, mapper(), {"root_dir": str(root), "auth_secret_file": str(secret_file)}
+    )
+    other = auth_tier(root, host, "KVC_OTHER_SECRET")
+    plain = auth_tier(root, host)
+    async with running(writer, reader, other, plain):
+        assert (await store(writer, host, [1, 2])).success
+        assert (await load(reader, [1, 2], [8, 9])).success
+        assert bytes(host.row(8)) == pattern(1) and bytes(host.row(9)) == pattern(2)
+        failed = await load(other, [1], [10])
+        assert not failed.success and "MAC mismatch" in failed.error
+        assert not Path(writer.path_of(key(1))).exists()  # deleted by the failed check
+        assert (await store(plain, host, [3])).success
+        failed = await load(reader, [3], [10])
+        assert not failed.success and "not authenticated" in failed.error
+    for text in [caplog.text, *(p.read_text() for p in root.rglob("config.json"))]:
+        assert SECRET not in text and SECRET[::-1] not in text
+    assert SECRET not in repr(writer._auth) and SECRET not in repr(vars(writer))
+
+
+def test_secret_config_errors_name_the_source_never_the_secret(
+    tmp_path: Path, host: kc.HostBuffer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both keys, a bad type, an unset variable, an unreadable file or a short secret: each a
+    ConfigError naming the variable or file (never the secret), raised before the directory
+    is created."""
+    monkeypatch.setenv("KVC_SHORT_SECRET", "tooshort")
+    monkeypatch.delenv("KVC_UNSET_SECRET", raising=False)
+    root = tmp_path / "never"
+    for extra, message in [
+        ({"auth_secret_env": "A", "auth_secret_file": "/f"}, "not both"),
+        ({"auth_secret_env": 5}, "auth_secret_env must be a non-empty string, got 5"),
+        ({"auth_secret_env": "KVC_UNSET_SECRET"}, "environment variable KVC_UNSET_SECRET is not"),
+        ({"auth_secret_file": str(tmp_path / "nope")}, "cannot read file .*nope"),
+        ({"auth_secret_env": "KVC_SHORT_SECRET"}, "KVC_SHORT_SECRET is shorter than 16 bytes"),
+    ]:
+        cfg = {"root_dir": str(root), **extra}
+        with pytest.raises(kc.ConfigError, match=message) as info:
+            fs_tier_from_config(host, mapper(), cfg)
+        assert "tooshort" not in str(info.value)
+    with pytest.raises(kc.ConfigError, match="not both"):
+        fs.check_fs_tier_config(
+            {"root_dir": "x", "auth_secret_env": "A", "auth_secret_file": "B"}, 1
+        )
+    assert not root.exists()
+
+
+async def test_engines_with_the_same_secret_share_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three Cascades on one fs root, one after the other: the second (same secret) finds and
+    loads the first one's block byte for byte; the third (another secret) finds the file but
+    its load fails the MAC (loaded 0), and the file is gone. No secret in logs or config.json."""
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("KVC_ENGINE_SECRET", SECRET)
+    monkeypatch.setenv("KVC_ENGINE_OTHER", SECRET[::-1])
+
+    def cfg(env: str) -> kc.CascadeConfig:
+        tier = {"type": "fs", "root_dir": str(tmp_path), "auth_secret_env": env}
+        return kc.CascadeConfig(block_bytes=64, gpu_blocks=8, cpu_blocks=4, secondary_tiers=[tier])
+
+    async with kc.open_cascade(cfg("KVC_ENGINE_SECRET")) as writer:
+        writer.device.kv[1] = 7
+        ctx = kc.ReqContext("w")
+        assert (await writer.store([key(1)], ctx, [1])).stored == [key(1)]
+        await writer.wait_cascades()
+        writer.finish_request(ctx)
+    [path] = files(tmp_path, ".bin")
+    for env, loaded in [("KVC_ENGINE_SECRET", 1), ("KVC_ENGINE_OTHER", 0)]:
+        async with kc.open_cascade(cfg(env)) as reader:
+            ctx = kc.ReqContext("r")
+            found = await reader.lookup_prefix([key(1)], ctx)
+            assert found.tiers == ["fs"]
+            assert (await reader.load(found.keys, ctx, [5])).loaded == loaded
+            reader.finish_request(ctx)
+            if loaded:
+                assert bytes(reader.device.kv[5].numpy()) == b"\x07" * 64
+    assert not path.exists()  # deleted by the engine with the other secret
+    for text in [caplog.text, *(p.read_text() for p in tmp_path.rglob("config.json"))]:
+        assert SECRET not in text and SECRET[::-1] not in text

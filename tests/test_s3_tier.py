@@ -8,6 +8,7 @@ processes, and ``kvcascade replay`` with fs and s3 tiers.
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import json
 import logging
@@ -15,6 +16,7 @@ import os
 import sys
 import textwrap
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -868,3 +870,74 @@ def test_cli_replay_with_fs_and_s3(
     table = capsys.readouterr().out
     assert "hit blocks: s3" in table and "bytes cpu → s3" in table
     assert SECRET_KEY not in out.read_text() and SECRET_KEY not in table
+
+
+# -- authenticated blocks (issue #21 item 5) ------------------------------------------------
+BLOCK_SECRET = "kvcascade-s3-block-secret-0123456789"  # tests assert it never shows up
+
+
+async def test_authenticated_objects_forged_refused_shared_by_the_same_secret(
+    moto: MotoServer,
+    bucket: str,
+    host: kc.HostBuffer,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With a secret: an object forged with valid checksums (as a tier without a secret writes
+    it) fails its load and is deleted; a tier with the same secret loads the writer's objects,
+    one with another secret fails the MAC and deletes them. The secret is in no log record."""
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("KVC_S3_SECRET", BLOCK_SECRET)
+    monkeypatch.setenv("KVC_S3_OTHER", BLOCK_SECRET[::-1])
+    writer = make_tier(moto.endpoint, bucket, host, auth_secret_env="KVC_S3_SECRET")
+    reader = make_tier(moto.endpoint, bucket, host, auth_secret_env="KVC_S3_SECRET")
+    other = make_tier(moto.endpoint, bucket, host, auth_secret_env="KVC_S3_OTHER")
+    plain = make_tier(moto.endpoint, bucket, host)
+    client = moto.client()
+    async with running(writer, reader, other, plain):
+        assert (await store(writer, host, [1, 2])).success
+        assert (await load(reader, [1], [8])).success and bytes(host.row(8)) == pattern(1)
+        failed = await load(other, [2], [9])
+        assert not failed.success and "MAC mismatch" in failed.error
+        assert (await store(plain, host, [3])).success  # valid checksums, no MAC: a forgery
+        failed = await load(reader, [3], [9])
+        assert not failed.success and "not authenticated" in failed.error
+        assert reader.counters["corrupt_blocks"] == 1 and other.counters["corrupt_blocks"] == 1
+        left = {o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]}
+        assert left == {writer.object_key(key(1))}
+    assert BLOCK_SECRET not in caplog.text and BLOCK_SECRET[::-1] not in caplog.text
+
+
+async def test_puts_and_parts_carry_the_crc32_of_their_body(
+    moto: MotoServer, bucket: str, host: kc.HostBuffer
+) -> None:
+    """Issue #21 item 5: a PutObject carries ``x-amz-checksum-crc32`` of its body (moto keeps
+    the value sent and returns it with ``ChecksumMode``), equal to the CRC32 of the object's
+    bytes; a multipart upload is created for CRC32 and each part carries its own. (moto does
+    not verify the value, so a corrupted body is not refused here; S3 and MinIO answer
+    ``BadDigest``.)"""
+    single = make_tier(moto.endpoint, bucket, host, prefix="single")
+    parts = make_tier(moto.endpoint, bucket, host, prefix="multi", multipart_threshold_bytes=1)
+    client = moto.client()
+    # moto keeps the value a client sends (it does not verify it): what head_object returns
+    # below is what the tier sent, not a value moto computed.
+    client.put_object(
+        Bucket=bucket, Key="probe", Body=b"x", ChecksumAlgorithm="CRC32", ChecksumCRC32="AAAAAA=="
+    )
+    probe = client.head_object(Bucket=bucket, Key="probe", ChecksumMode="ENABLED")
+    assert probe["ChecksumCRC32"] == "AAAAAA=="
+    async with running(single, parts):
+        assert (await store(single, host, [1])).success
+        assert (await store(parts, host, [2], [1])).success
+        for tier, i in [(single, 1), (parts, 2)]:
+            name = tier.object_key(key(i))
+            blob = client.get_object(Bucket=bucket, Key=name)["Body"].read()
+            assert blob[HEADER_BYTES:][:BLOCK] == pattern(i)
+            crc = base64.b64encode(zlib.crc32(blob).to_bytes(4, "big")).decode()
+            head = client.head_object(Bucket=bucket, Key=name, ChecksumMode="ENABLED")
+            if tier is single:
+                assert head["ChecksumCRC32"] == crc
+            else:  # S3's composite checksum: the CRC32 of the parts' CRC32s (AWS adds "-1")
+                composite = zlib.crc32(base64.b64decode(crc)).to_bytes(4, "big")
+                assert head["ChecksumCRC32"].split("-")[0] == base64.b64encode(composite).decode()
+            assert (await load(tier, [i], [5])).success and bytes(host.row(5)) == pattern(i)

@@ -527,3 +527,41 @@ async def test_cluster_failover_degrades_then_serves_the_replicated_blocks(
         assert all(bytes(host.row(i)) == pattern(i) for i in range(12))
         assert (await store(tier, host, [200, 201], [12, 13])).success
         assert await lookups(tier, [key(200), key(201)], kc.ReqContext("f")) == [R.HIT, R.HIT]
+
+
+# -- authenticated blocks (issue #21 item 5) ------------------------------------------------
+BLOCK_SECRET = "kvcascade-valkey-block-secret-0123456789"  # tests assert it never shows up
+
+
+async def test_authenticated_values_forged_refused_shared_by_the_same_secret(
+    server: Server,
+    host: kc.HostBuffer,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With a secret: a value forged with valid checksums (:func:`fs_block_file`) fails its
+    load, leaves the row untouched and is deleted; a tier with the same secret loads the
+    writer's values, one with another secret fails the MAC and deletes them. The secret is in
+    no log record."""
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("KVC_VK_SECRET", BLOCK_SECRET)
+    monkeypatch.setenv("KVC_VK_OTHER", BLOCK_SECRET[::-1])
+    prefix = f"t{next(_prefixes)}"
+    writer = make_tier(server.url, host, prefix=prefix, auth_secret_env="KVC_VK_SECRET")
+    reader = make_tier(server.url, host, prefix=prefix, auth_secret_env="KVC_VK_SECRET")
+    other = make_tier(server.url, host, prefix=prefix, auth_secret_env="KVC_VK_OTHER")
+    client = sync_client(server.url)
+    async with running(writer, reader, other):
+        assert (await store(writer, host, [1, 2])).success
+        assert (await load(reader, [1], [8])).success and bytes(host.row(8)) == pattern(1)
+        failed = await load(other, [2], [9])
+        assert not failed.success and "MAC mismatch" in failed.error
+        client.set(reader.object_key(key(3)), fs_block_file(key(3), pattern(99)))
+        host.row(9)[:] = b"\x55" * BLOCK
+        failed = await load(reader, [3], [9])
+        assert not failed.success and "not authenticated" in failed.error
+        assert bytes(host.row(9)) == b"\x55" * BLOCK
+        names = [writer.object_key(key(i)) for i in (1, 2, 3)]
+        assert [client.exists(n) for n in names] == [1, 0, 0]
+    client.close()
+    assert BLOCK_SECRET not in caplog.text and BLOCK_SECRET[::-1] not in caplog.text

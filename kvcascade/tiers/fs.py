@@ -32,7 +32,8 @@ temp file) → write (checksum, header, payload; the only call inside the row-ac
 commit (mtime, close, rename); loads as open → read + verify. Where a read or write is a CPU copy
 (buffered I/O or tmpfs), blocks above 256 KiB move in 256 KiB pieces, each hashed while it is in
 the CPU cache. Same files, same checks, same failure outcomes as the pure-Python path, which runs
-while the extension builds, if it cannot build, or with ``compiled_io=False``.
+while the extension builds, if it cannot build, with ``compiled_io=False``, or for a tier with
+authenticated blocks (``auth``: the helpers do not compute the MAC).
 
 Capacity: with ``max_bytes`` the tier keeps an LRU index of its files
 (:class:`~kvcascade.tiers._capacity.CapacityIndex`; access recorded on load,
@@ -85,7 +86,11 @@ from ._block_format import (
     ALIGN,
     FORMAT_VERSION,
     HEADER_BYTES,
+    SECRET_KEYS,
+    BlockAuth,
+    block_auth,
     check_block,
+    check_secret_config,
     encode_header,
     file_size,
 )
@@ -179,6 +184,10 @@ class FileSystemTier(SecondaryTier):
         o_direct: try O_DIRECT (probed once); False forces buffered I/O.
         compiled_io: use the compiled batch helpers once the extension is loaded (module
             docstring); False keeps every job in pure Python.
+        auth: authenticate blocks (:class:`~kvcascade.tiers._block_format.BlockAuth`): every
+            block written with a MAC, every load checked, a block failing it deleted as
+            corrupt. Such a tier moves blocks in pure Python (the compiled helpers do not
+            compute the MAC); None = checksums only.
 
     Raises:
         OSError: ``root_dir`` or the namespace's ``config.json`` cannot be created.
@@ -199,6 +208,7 @@ class FileSystemTier(SecondaryTier):
         max_bytes: int | None = None,
         o_direct: bool = True,
         compiled_io: bool = True,
+        auth: BlockAuth | None = None,
     ) -> None:
         super().__init__(
             name,
@@ -230,8 +240,10 @@ class FileSystemTier(SecondaryTier):
         self._span = round_up(host.block_bytes, ALIGN)
         self._base = host.tensor().data_ptr()  # address of row 0 (the mmap never moves)
         self._data_prefix = os.path.join(self._prefix, mapper.namespace, "")
-        # The helpers take str paths (UTF-8); a path that cannot be encoded stays in Python.
-        self.compiled_io = compiled_io and _utf8(self._data_prefix)
+        self._auth = auth
+        # The helpers take str paths (UTF-8); a path that cannot be encoded stays in Python, and
+        # so does an authenticated tier (the helpers neither write nor check the MAC).
+        self.compiled_io = compiled_io and auth is None and _utf8(self._data_prefix)
         self._fused: bool | None = None  # decided on first compiled use (needs fs_type)
         if self.compiled_io:
             compiled_fs_io()  # start loading the extension now, not on the first job
@@ -604,7 +616,7 @@ class FileSystemTier(SecondaryTier):
                 fd = os.open(tmp, flags, 0o600)
             try:
                 with self._row_access():
-                    encode_header(key, payload, header)
+                    encode_header(key, payload, header, self._auth)
                     done = os.writev(fd, [header, row])
                     while done < size:  # a short write: go on, so the real error shows
                         rest = (
@@ -742,7 +754,7 @@ class FileSystemTier(SecondaryTier):
                             f"{path}: short file ({n} bytes read, expected {size})"
                         )
                     payload = row[: self.host.block_bytes]
-                    check_block(key, header, payload, path)
+                    check_block(key, header, payload, path, self._auth)
             finally:
                 os.close(fd)
         finally:
@@ -881,6 +893,7 @@ _CONFIG_KEYS = {
     "name",
     "n_read_threads",
     "n_write_threads",
+    *SECRET_KEYS,
 }
 
 
@@ -892,17 +905,22 @@ def fs_tier_from_config(
     Keys: ``root_dir`` (required), ``max_bytes`` (bytes of block files; default unbounded),
     ``io_threads`` (default 4), ``io_timeout_s`` (seconds, default 30), ``max_queued_jobs``
     (default 1024), ``cache_salt`` (tenant salt folded into the namespace), ``name`` (default
-    ``"fs"``). vLLM's ``n_read_threads`` + ``n_write_threads`` are accepted and summed into
+    ``"fs"``), ``auth_secret_env`` or ``auth_secret_file`` (the environment variable or file
+    holding the secret of authenticated blocks, :func:`~kvcascade.tiers._block_format.block_auth`;
+    default none). vLLM's ``n_read_threads`` + ``n_write_threads`` are accepted and summed into
     ``io_threads`` when that is absent.
 
     Raises:
-        ConfigError: see :func:`check_fs_tier_config`.
+        ConfigError: see :func:`check_fs_tier_config` and
+            :func:`~kvcascade.tiers._block_format.block_auth` (raised before the directory is
+            touched).
         OSError: the directory cannot be created.
     """
     args = check_fs_tier_config(cfg, host.block_bytes)
     if cfg.get("cache_salt"):
         mapper = mapper.with_salt(cfg["cache_salt"])
-    return FileSystemTier(host, args.pop("root_dir"), mapper, **args)
+    auth = block_auth(cfg, "fs tier", mapper.namespace)
+    return FileSystemTier(host, args.pop("root_dir"), mapper, auth=auth, **args)
 
 
 def check_fs_tier_config(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any]:
@@ -934,6 +952,7 @@ def check_fs_tier_config(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any
     for key in ("cache_salt", "name"):
         if key in cfg and not isinstance(cfg[key], str):
             raise ConfigError(f"fs tier {key} must be a string, got {cfg[key]!r}")
+    check_secret_config(cfg, "fs tier")
     max_bytes = integer("max_bytes", 0) if "max_bytes" in cfg else None
     if max_bytes is not None and max_bytes < file_size(block_bytes):
         raise ConfigError(

@@ -23,9 +23,15 @@ mode with ``max_attempts`` attempts in all.
   upload of parts of ``max(threshold, 5 MiB)`` bytes, aborted (``AbortMultipartUpload``) on any
   failure, cancellation included, by a shielded, bounded task (:meth:`S3Tier._abort`); uploads
   of a killed process are aborted at the next start-up once older than ``orphan_upload_age_s``.
-  Payload signing is off (``UNSIGNED-PAYLOAD``): the xxh3
-  checksum in the header guards the bytes, and a SHA-256 pass over every block would halve the
-  tier's throughput on plain-HTTP endpoints.
+  Payload signing is off (``UNSIGNED-PAYLOAD``): a SHA-256 pass over every block would halve the
+  tier's throughput on plain-HTTP endpoints. Instead every ``PutObject`` and every part carries
+  the CRC32 of its body (``x-amz-checksum-crc32``, S3's ``ChecksumCRC32``; a multipart upload is
+  created with ``ChecksumAlgorithm="CRC32"`` and completed with the parts' CRC32s), which the
+  server verifies before it keeps the body (S3 answers ``BadDigest``): bytes damaged on the way
+  are refused at upload, not found at the next load. CRC32 (``zlib``, computed on the event
+  loop) measured ~2.3× faster than SHA-256 and ~5× faster than the MD5 of ``Content-MD5``.
+  The xxh3 checksum in the header (and the MAC of authenticated blocks) still guards the bytes
+  end to end.
 * **Load** (per block): ``GetObject`` whose body is read into the header buffer and straight into
   the primary row, length checked, then header, key digest and checksum verified
   (:func:`~kvcascade.tiers._block_format.check_block`). A body is read to its end or closed on
@@ -54,6 +60,7 @@ log line, an exception or a ``repr``.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import datetime
 import functools
@@ -61,6 +68,7 @@ import logging
 import math
 import re
 import urllib.parse
+import zlib
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -90,7 +98,15 @@ from .._errors import (
 from .._types import OffloadingEvent
 from .._validate import config_int, config_seconds, is_number
 from ._backend import Backend, Meaning, NotFoundError
-from ._block_format import HEADER_BYTES, check_block, encode_header, file_size
+from ._block_format import (
+    HEADER_BYTES,
+    SECRET_KEYS,
+    BlockAuth,
+    block_auth,
+    check_block,
+    encode_header,
+    file_size,
+)
 from ._capacity import CapacityIndex
 from ._file_mapper import FileMapper
 from .base import SecondaryTier, gather_blocks
@@ -208,6 +224,15 @@ def _split(parts: Sequence[memoryview], size: int) -> list[list[memoryview]]:
     return out
 
 
+def _crc32(pieces: Sequence[memoryview]) -> str:
+    """S3's ``ChecksumCRC32`` of the concatenation of ``pieces``: base64 of the big-endian
+    CRC32 (``zlib.crc32``, the CRC-32 of ISO-HDLC that S3 uses)."""
+    crc = 0
+    for piece in pieces:
+        crc = zlib.crc32(piece, crc)
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+
+
 def _display_endpoint(endpoint_url: str | None, region: str | None) -> str:
     """The endpoint for messages: without any user-info part (never a credential)."""
     if endpoint_url is None:
@@ -286,6 +311,8 @@ class S3Tier(SecondaryTier):
         name: tier name in metrics and events (default ``"s3"``).
         io_timeout_s: per-job deadline in seconds from submission.
         max_queued_jobs: jobs allowed to wait; stores beyond it are refused.
+        auth: authenticate blocks (:class:`~kvcascade.tiers._block_format.BlockAuth`, docs/
+            fs-tier.md "Authenticated blocks"); None = checksums only.
 
     Raises:
         ConfigError: a value out of range (named, with the value).
@@ -312,6 +339,7 @@ class S3Tier(SecondaryTier):
         name: str = "s3",
         io_timeout_s: float = 30.0,
         max_queued_jobs: int = 1024,
+        auth: BlockAuth | None = None,
     ) -> None:
         super().__init__(
             name,
@@ -338,6 +366,7 @@ class S3Tier(SecondaryTier):
                 f"got {orphan_upload_age_s!r}"
             )
         self.mapper = mapper
+        self._auth = auth
         self.bucket = bucket
         self.endpoint_url = endpoint_url
         self.endpoint = _display_endpoint(endpoint_url, region)
@@ -543,14 +572,20 @@ class S3Tier(SecondaryTier):
             if victims:
                 await self._evict(victims)
             header = memoryview(bytearray(HEADER_BYTES))
-            encode_header(key, row, header)
+            encode_header(key, row, header, self._auth)
             parts = [header, row, _ZEROS[: size - HEADER_BYTES - row.nbytes]]
             object_key = self.object_key(key)
             if size > self.multipart_threshold_bytes:
                 await self._put_multipart(object_key, parts)
             else:
                 async with self._sem:
-                    await self._send("put_object", Key=object_key, Body=_BlockBody(parts))
+                    await self._send(
+                        "put_object",
+                        Key=object_key,
+                        Body=_BlockBody(parts),
+                        ChecksumAlgorithm="CRC32",
+                        ChecksumCRC32=_crc32(parts),
+                    )
         except BaseException:
             self._known.unreserve(size)
             raise
@@ -558,18 +593,21 @@ class S3Tier(SecondaryTier):
         return row.nbytes
 
     async def _put_multipart(self, object_key: str, parts: Sequence[memoryview]) -> None:
-        """Upload in parts of ``part_bytes`` (in order); abort the upload on any failure,
-        cancellation included (:meth:`_abort`).
+        """Upload in parts of ``part_bytes`` (in order), each with its CRC32 (module docstring);
+        abort the upload on any failure, cancellation included (:meth:`_abort`).
 
         Raises:
             TierUnavailableError, TransferError: a request failed (after the abort).
         """
         async with self._sem:
-            upload = await self._send("create_multipart_upload", Key=object_key)
+            upload = await self._send(
+                "create_multipart_upload", Key=object_key, ChecksumAlgorithm="CRC32"
+            )
         upload_id = upload["UploadId"]
         try:
             done = []
             for number, pieces in enumerate(_split(parts, self.part_bytes), 1):
+                crc = _crc32(pieces)
                 async with self._sem:
                     answer = await self._send(
                         "upload_part",
@@ -577,8 +615,10 @@ class S3Tier(SecondaryTier):
                         UploadId=upload_id,
                         PartNumber=number,
                         Body=_BlockBody(pieces),
+                        ChecksumAlgorithm="CRC32",
+                        ChecksumCRC32=crc,
                     )
-                done.append({"ETag": answer["ETag"], "PartNumber": number})
+                done.append({"ETag": answer["ETag"], "PartNumber": number, "ChecksumCRC32": crc})
             async with self._sem:
                 await self._send(
                     "complete_multipart_upload",
@@ -639,7 +679,7 @@ class S3Tier(SecondaryTier):
                     raise
                 header = memoryview(bytearray(HEADER_BYTES))
                 await self._read_body(answer, object_key, [header, row])
-            check_block(key, header, row, object_key)
+            check_block(key, header, row, object_key, self._auth)
         except CorruptBlockError as exc:
             await self._corrupt(exc, functools.partial(self._discard, key))
             raise
@@ -738,6 +778,7 @@ _CONFIG_KEYS = {
     "name",
     "io_timeout_s",
     "max_queued_jobs",
+    *SECRET_KEYS,
 }
 _SECRET_KEYS = ("access_key", "secret_key", "session_token")
 
@@ -752,11 +793,14 @@ def s3_tier_from_config(host: HostBuffer, mapper: FileMapper, cfg: dict[str, Any
     ``max_bytes`` (unbounded), ``orphan_upload_age_s`` (3600: incomplete multipart uploads of the
     namespace older than this are aborted at start-up; 0: all of them), ``cache_salt`` (tenant
     salt folded into the namespace), ``name``
-    (``"s3"``), ``io_timeout_s`` (30 s per job), ``max_queued_jobs`` (1024).
+    (``"s3"``), ``io_timeout_s`` (30 s per job), ``max_queued_jobs`` (1024), ``auth_secret_env``
+    or ``auth_secret_file`` (secret of authenticated blocks,
+    :func:`~kvcascade.tiers._block_format.block_auth`; default none).
 
     Raises:
         ConfigError: missing ``bucket``, an unknown key (named, never its value), a value of the
-            wrong type or range, or only one of ``access_key``/``secret_key``.
+            wrong type or range, only one of ``access_key``/``secret_key``, or a secret that
+            cannot be read (:func:`~kvcascade.tiers._block_format.block_auth`).
     """
     unknown = sorted(set(cfg) - _CONFIG_KEYS)
     if unknown:
@@ -789,6 +833,7 @@ def s3_tier_from_config(host: HostBuffer, mapper: FileMapper, cfg: dict[str, Any
     credentials = _Credentials(access, secret, cfg.get("session_token")) if access else None
     if cfg.get("cache_salt"):
         mapper = mapper.with_salt(cfg["cache_salt"])
+    auth = block_auth(cfg, "s3 tier", mapper.namespace)
     return S3Tier(
         host,
         mapper,
@@ -808,4 +853,5 @@ def s3_tier_from_config(host: HostBuffer, mapper: FileMapper, cfg: dict[str, Any
         name=cfg.get("name") or "s3",
         io_timeout_s=seconds("io_timeout_s", 30.0),
         max_queued_jobs=integer("max_queued_jobs", 1024),
+        auth=auth,
     )

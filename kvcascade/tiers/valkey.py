@@ -74,7 +74,15 @@ from .._errors import (
 )
 from .._validate import config_int, config_seconds
 from ._backend import Backend, Meaning, NotFoundError
-from ._block_format import HEADER_BYTES, check_block, encode_header, file_size
+from ._block_format import (
+    HEADER_BYTES,
+    SECRET_KEYS,
+    BlockAuth,
+    block_auth,
+    check_block,
+    encode_header,
+    file_size,
+)
 from ._file_mapper import FileMapper
 from .base import SecondaryTier, gather_blocks
 from .cpu import HostBuffer
@@ -165,6 +173,8 @@ class ValkeyTier(SecondaryTier):
         name: tier name in metrics and events (default ``"valkey"``).
         io_timeout_s: per-job deadline in seconds from submission.
         max_queued_jobs: jobs allowed to wait; stores beyond it are refused.
+        auth: authenticate blocks (:class:`~kvcascade.tiers._block_format.BlockAuth`, docs/
+            fs-tier.md "Authenticated blocks"); None = checksums only.
 
     Raises:
         ConfigError: a value out of range or a bad ``url`` (named, never a password).
@@ -187,6 +197,7 @@ class ValkeyTier(SecondaryTier):
         name: str = "valkey",
         io_timeout_s: float = 30.0,
         max_queued_jobs: int = 1024,
+        auth: BlockAuth | None = None,
     ) -> None:
         super().__init__(
             name,
@@ -206,6 +217,7 @@ class ValkeyTier(SecondaryTier):
                 f"{connect_timeout_s!r}, {timeout_s!r}"
             )
         self.mapper = mapper
+        self._auth = auth
         self.url = _display_url(url)
         self.cluster = cluster
         self.prefix = prefix.strip("/")
@@ -324,7 +336,7 @@ class ValkeyTier(SecondaryTier):
         name = self.object_key(key)
         if not self.cluster:
             header = memoryview(bytearray(HEADER_BYTES))
-            encode_header(key, row, header)
+            encode_header(key, row, header, self._auth)
             parts = (header, row, self._padding) if self._padding else (header, row)
             await self._command("SET", lambda: self._set_parts(name, parts))
             return row.nbytes
@@ -334,7 +346,7 @@ class ValkeyTier(SecondaryTier):
             value = self._values.pop() if self._values else memoryview(bytearray(self.value_bytes))
             payload = value[HEADER_BYTES : HEADER_BYTES + row.nbytes]
             payload[:] = row
-            encode_header(key, payload, value[:HEADER_BYTES])
+            encode_header(key, payload, value[:HEADER_BYTES], self._auth)
             await self._call("SET", lambda: self._client.set(name, value))
         self._values.append(value)  # not after a failure: a cancelled send may still hold it
         return row.nbytes
@@ -387,7 +399,7 @@ class ValkeyTier(SecondaryTier):
                 )
             view = memoryview(value)
             payload = view[HEADER_BYTES : HEADER_BYTES + row.nbytes]
-            check_block(key, view[:HEADER_BYTES], payload, name)
+            check_block(key, view[:HEADER_BYTES], payload, name, self._auth)
         except CorruptBlockError as exc:
             await self._corrupt(exc, functools.partial(self._discard, name))
             raise
@@ -462,6 +474,7 @@ _CONFIG_KEYS = {
     "name",
     "io_timeout_s",
     "max_queued_jobs",
+    *SECRET_KEYS,
 }
 
 
@@ -473,11 +486,14 @@ def valkey_tier_from_config(
     Keys: ``url`` (required), ``cluster`` (false), ``prefix`` (none), ``username`` /
     ``password`` (none), ``max_concurrency`` (16), ``connect_timeout_s`` (2), ``timeout_s`` (5),
     ``max_attempts`` (3), ``cache_salt`` (tenant salt folded into the namespace), ``name``
-    (``"valkey"``), ``io_timeout_s`` (30 s per job), ``max_queued_jobs`` (1024).
+    (``"valkey"``), ``io_timeout_s`` (30 s per job), ``max_queued_jobs`` (1024),
+    ``auth_secret_env`` or ``auth_secret_file`` (secret of authenticated blocks,
+    :func:`~kvcascade.tiers._block_format.block_auth`; default none).
 
     Raises:
         ConfigError: missing ``url``, an unknown key (named, never its value), a value of the
-            wrong type or range.
+            wrong type or range, or a secret that cannot be read
+            (:func:`~kvcascade.tiers._block_format.block_auth`).
     """
     unknown = sorted(set(cfg) - _CONFIG_KEYS)
     if unknown:
@@ -499,6 +515,7 @@ def valkey_tier_from_config(
 
     if cfg.get("cache_salt"):
         mapper = mapper.with_salt(cfg["cache_salt"])
+    auth = block_auth(cfg, "valkey tier", mapper.namespace)
     return ValkeyTier(
         host,
         mapper,
@@ -514,4 +531,5 @@ def valkey_tier_from_config(
         name=cfg.get("name") or "valkey",
         io_timeout_s=seconds("io_timeout_s", 30.0),
         max_queued_jobs=integer("max_queued_jobs", 1024),
+        auth=auth,
     )
