@@ -1,6 +1,7 @@
-"""The fs tier (issue #5): vLLM's FileMapper and fs-tier scenarios (spec §9.6, §9.11) plus
-capacity, integrity, restart reuse, deadlines and real faults (kill -9, ENOSPC, a stalled FIFO,
-concurrent writers), all on real files through the tier's public API.
+"""The fs tier (issue #5): the scenarios of vLLM's ``tests/v1/kv_offload/test_file_mapper.py`` and
+``tests/v1/kv_offload/tiering/test_fs_tier.py`` (named per test) plus capacity, integrity, restart
+reuse, deadlines and real faults (kill -9, ENOSPC, a stalled FIFO, concurrent writers), all on real
+files through the tier's public API.
 
 Every test runs twice (the autouse ``io_path`` fixture): with blocks moved in pure Python, and
 with the compiled batch helpers of ``kernels/fs_io.cpp`` (skipped if the extension cannot be
@@ -85,9 +86,10 @@ def files(root: Path, suffix: str) -> list[Path]:
     return sorted(p for p in root.rglob(f"*{suffix}") if p.is_file() or p.is_fifo())
 
 
-# -- FileMapper (spec §9.6) -----------------------------------------------------------------
+# -- FileMapper (vLLM tests/v1/kv_offload/test_file_mapper.py) -------------------------------
 def test_exact_relative_path_for_known_identity() -> None:
-    """§9.6 115/117: ``<base>_r<rank>/<hhh>/<hh>_g<g>/<hex>.bin`` and ``<base>/config.json``."""
+    """vLLM test_get_file_name_full_structure / test_get_config_file_path:
+    ``<base>_r<rank>/<hhh>/<hh>_g<g>/<hex>.bin`` and ``<base>/config.json``."""
     ident = default_identity(
         "meta-llama/Llama-3.1-8B", "bfloat16", 16, blocks_per_chunk=4, tp_size=2
     )
@@ -103,7 +105,8 @@ def test_exact_relative_path_for_known_identity() -> None:
 
 
 def test_run_config_fields() -> None:
-    """§9.6 116: the run config is exactly the identity (vLLM's fields + kvcascade's)."""
+    """vLLM test_get_run_config_fields: the run config is exactly the identity (vLLM's fields +
+    kvcascade's)."""
     m = mapper(model_name="m", dtype="float16", tokens_per_block=16)
     assert m.run_config() == {
         "model_name": "m",
@@ -123,7 +126,8 @@ def test_run_config_fields() -> None:
 
 
 def test_hybrid_identity_uses_resolved_tokens_per_hash() -> None:
-    """§9.6 118: heterogeneous groups record the resolved tokens_per_hash and per-group sizes."""
+    """vLLM test_hybrid_file_identity_uses_resolved_tokens_per_hash: heterogeneous groups record the
+    resolved tokens_per_hash and per-group sizes."""
     ident = default_identity(
         "m", "bfloat16", [16, 64], tokens_per_hash=4, layer_names=[["a"], ["b"]]
     )
@@ -149,8 +153,13 @@ def test_hybrid_identity_uses_resolved_tokens_per_hash() -> None:
 def test_parallel_agnostic_collapse(
     opt_in: bool, agnostic: bool, replicated: bool, collapsed: bool
 ) -> None:
-    """§9.6 119–121, 124–126: collapse only with the caller's opt-in and a config that allows it:
-    sizes 1, rank 0, no ``parallel_agnostic`` key; otherwise tp and rank kept, key False."""
+    """vLLM test_parallel_agnostic_collapses_namespace_when_config_allows /
+    test_parallel_agnostic_ignored_when_config_disallows /
+    test_namespace_kept_without_parallel_agnostic_opt_in /
+    test_replicated_layout_collapses_parallel_identity /
+    test_replicated_layout_requires_caller_opt_in / test_non_replicated_keeps_parallel_identity:
+    collapse only with the caller's opt-in and a config that allows it: sizes 1, rank 0, no
+    ``parallel_agnostic`` key; otherwise tp and rank kept, key False."""
     ident = default_identity(
         "m",
         "bfloat16",
@@ -168,8 +177,12 @@ def test_parallel_agnostic_collapse(
 
 
 def test_namespaces_of_collapse_reasons_and_layouts_differ() -> None:
-    """§9.6 122, 123, 127, 128: collapsed vs specific, agnostic vs replicated, canonical layout
-    all give different base paths; replicated TP2 and TP4 share one (and one run config)."""
+    """vLLM test_parallel_agnostic_separates_persistent_layouts /
+    test_canonical_layout_changes_storage_namespace /
+    test_replicated_and_parallelism_agnostic_separate_layouts /
+    test_replicated_layout_run_config_tp_invariant: collapsed vs specific, agnostic vs replicated,
+    canonical layout all give different base paths; replicated TP2 and TP4 share one (and one run
+    config)."""
 
     def base(**kw: Any) -> str:
         return mapper(model_name="m", dtype="bfloat16", tokens_per_block=16, **kw).base_name
@@ -221,9 +234,9 @@ def test_unresolved_dtype_is_refused() -> None:
         FileMapper({"model_name": "m", "dtype": "auto"})
 
 
-# -- fs tier basics (spec §9.11) ------------------------------------------------------------
+# -- fs tier basics (vLLM tests/v1/kv_offload/tiering/test_fs_tier.py) -----------------------
 async def test_lookup_empty_tier(tmp_path: Path, host: kc.HostBuffer) -> None:
-    """§9.11 196: unknown keys → RETRY, then MISS after the flush."""
+    """vLLM test_lookup_empty_tier: unknown keys → RETRY, then MISS after the flush."""
     tier = make_tier(tmp_path, host)
     async with running(tier):
         ctx = kc.ReqContext("r")
@@ -234,9 +247,10 @@ async def test_lookup_empty_tier(tmp_path: Path, host: kc.HostBuffer) -> None:
 async def test_store_creates_file_at_mapped_path_then_roundtrip(
     tmp_path: Path, host: kc.HostBuffer
 ) -> None:
-    """§9.11 197, 198: one store result; the file at the mapped path; load fills the slots;
-    files stay after the load; lookups HIT; a stored event with the job's keys, none for loads
-    (216, 218)."""
+    """vLLM test_store_creates_file_and_lookup_succeeds / test_store_then_load_roundtrip: one store
+    result; the file at the mapped path; load fills the slots; files stay after the load; lookups
+    HIT; a stored event with the job's keys, none for loads
+    (test_successful_store_emits_stored_event, test_load_job_emits_no_event)."""
     tier = make_tier(tmp_path, host)
     async with running(tier):
         result = await store(tier, host, [1, 2])
@@ -255,7 +269,8 @@ async def test_store_creates_file_at_mapped_path_then_roundtrip(
 
 
 def test_invalid_root_raises_at_construction(tmp_path: Path, host: kc.HostBuffer) -> None:
-    """§9.11 199: a root that cannot be created → OSError from the constructor."""
+    """vLLM test_invalid_path_raises_at_construction: a root that cannot be created → OSError from
+    the constructor."""
     (tmp_path / "file").write_bytes(b"x")
     with pytest.raises(OSError):
         make_tier(tmp_path / "file" / "sub", host)
@@ -275,8 +290,10 @@ def test_config_json_fifo_is_refused_not_read(tmp_path: Path, host: kc.HostBuffe
 async def test_failed_load_of_missing_file_and_partial_batch(
     tmp_path: Path, host: kc.HostBuffer
 ) -> None:
-    """§9.11 202, 204, 203: a never-stored key fails its job; a 3-key load whose middle key is
-    missing → one failed result listing the key before it; jobs are tracked independently."""
+    """vLLM test_failed_load_missing_file / test_multi_block_job_partial_failure /
+    test_multiple_jobs_tracked_independently: a never-stored key fails its job; a 3-key load whose
+    middle key is missing → one failed result listing the key before it; jobs are tracked
+    independently."""
     tier = make_tier(tmp_path, host)
     async with running(tier):
         first, second = await asyncio.gather(store(tier, host, [1]), store(tier, host, [3], [1]))
@@ -293,8 +310,9 @@ async def test_failed_load_of_missing_file_and_partial_batch(
 async def test_store_load_data_integrity(
     tmp_path: Path, host: kc.HostBuffer, batch: int, o_direct: bool
 ) -> None:
-    """§9.11 206, 207: random data stored, then loaded into other slots, matches exactly, with
-    O_DIRECT (when the filesystem takes it) and forced buffered I/O."""
+    """vLLM test_store_load_data_integrity / test_store_load_roundtrip_without_o_direct: random data
+    stored, then loaded into other slots, matches exactly, with O_DIRECT (when the filesystem takes
+    it) and forced buffered I/O."""
     tier = make_tier(tmp_path, host, o_direct=o_direct)
     assert tier.o_direct is (o_direct and tier.o_direct)
     async with running(tier):
@@ -307,7 +325,8 @@ async def test_store_load_data_integrity(
 async def test_out_of_bounds_block_id_fails_store_and_load(
     tmp_path: Path, host: kc.HostBuffer
 ) -> None:
-    """§9.11 211: a slot beyond the primary buffer fails the job (no exception escapes)."""
+    """vLLM test_out_of_bounds_block_id_smoke: a slot beyond the primary buffer fails the job (no
+    exception escapes)."""
     tier = make_tier(tmp_path, host)
     async with running(tier):
         assert not (await tier.submit_store(job([key(1)], [99], False))).success
@@ -315,7 +334,8 @@ async def test_out_of_bounds_block_id_fails_store_and_load(
 
 
 async def test_drain_waits_and_close_fails_queued_jobs(tmp_path: Path, host: kc.HostBuffer) -> None:
-    """§9.11 205, 208: drain returns once every job is done; closing fails queued jobs."""
+    """vLLM test_wait_idle_blocks_until_tasks_complete / test_shutdown_discards_pending_tasks: drain
+    returns once every job is done; closing fails queued jobs."""
     tier = make_tier(tmp_path, host, io_threads=1)
     async with running(tier):
         futures = [tier.submit_store(job([key(i)], [i % 16], False)) for i in range(40)]
@@ -330,14 +350,15 @@ async def test_drain_waits_and_close_fails_queued_jobs(tmp_path: Path, host: kc.
     assert {r.success for r in results if r.error != "tier closed"} <= {True}
 
 
-# -- corruption (spec §9.11 212–215) -------------------------------------------------------
+# -- corruption (vLLM test_fs_tier.py's failed-load tests) ------------------------------------
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 async def test_corrupt_file_is_deleted_and_verdict_corrected(
     tmp_path: Path, host: kc.HostBuffer, damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """§9.11 212: a good load keeps HIT and the file; a truncated file, or one with a byte
-    flipped (same length), fails the load as corrupt, is deleted, counted, and the same request
-    now sees MISS without a re-probe; a new request misses too."""
+    """vLLM test_failed_load_corrects_verdict_and_removes_corrupt_file: a good load keeps HIT and
+    the file; a truncated file, or one with a byte flipped (same length), fails the load as corrupt,
+    is deleted, counted, and the same request now sees MISS without a re-probe; a new request misses
+    too."""
     tier = make_tier(tmp_path, host)
     async with running(tier):
         assert (await store(tier, host, [1])).success
@@ -365,8 +386,9 @@ async def test_corrupt_file_is_deleted_and_verdict_corrected(
 async def test_batched_load_keeps_blocks_before_the_corrupt_one(
     tmp_path: Path, host: kc.HostBuffer, bad: int, expected: list[int] | None
 ) -> None:
-    """§9.11 213, 214: successful_keys = the keys before the first corrupt block (None if it is
-    the first); those stay HIT, the rest MISS."""
+    """vLLM test_batched_partial_load_failure_keeps_loaded_blocks /
+    test_batched_load_first_block_fails_marks_whole_batch: successful_keys = the keys before the
+    first corrupt block (None if it is the first); those stay HIT, the rest MISS."""
     tier = make_tier(tmp_path, host)
     async with running(tier):
         assert (await store(tier, host, [0, 1, 2])).success
@@ -383,8 +405,8 @@ async def test_batched_load_keeps_blocks_before_the_corrupt_one(
 
 
 async def test_transient_load_failure_leaves_file(tmp_path: Path, host: kc.HostBuffer) -> None:
-    """§9.11 215: an open failing with ELOOP (the file's directory briefly replaced by a symlink
-    loop) fails the job but leaves the file intact."""
+    """vLLM test_transient_load_failure_leaves_file: an open failing with ELOOP (the file's
+    directory briefly replaced by a symlink loop) fails the job but leaves the file intact."""
     tier = make_tier(tmp_path, host)
     async with running(tier):
         assert (await store(tier, host, [1])).success
@@ -404,9 +426,10 @@ async def test_transient_load_failure_leaves_file(tmp_path: Path, host: kc.HostB
 
 
 async def test_failed_store_emits_no_event(tmp_path: Path, host: kc.HostBuffer) -> None:
-    """§9.11 219, 220: a partially failed store job (a plain file squats on its second block's
-    directory) stores the other blocks but emits nothing; the successful job after it emits
-    one event with its keys."""
+    """vLLM test_partially_failed_store_emits_no_event /
+    test_mixed_job_results_emit_event_only_for_successful_job: a partially failed store job (a plain
+    file squats on its second block's directory) stores the other blocks but emits nothing; the
+    successful job after it emits one event with its keys."""
     tier = make_tier(tmp_path, host)
     async with running(tier):
         squat = Path(tier.path_of(key(2))).parent
@@ -420,8 +443,8 @@ async def test_failed_store_emits_no_event(tmp_path: Path, host: kc.HostBuffer) 
 
 
 async def test_cross_tp_replicated_round_trip(tmp_path: Path, host: kc.HostBuffer) -> None:
-    """§9.11 224: a TP2 replicated writer and a TP4 replicated reader share the namespace and
-    the file path; the reader HITs and loads identical bytes."""
+    """vLLM test_fs_tier_cross_tp_round_trip: a TP2 replicated writer and a TP4 replicated reader
+    share the namespace and the file path; the reader HITs and loads identical bytes."""
     fields = dict(parallel_agnostic=True, config_replicated=True)
     writer = FileSystemTier(
         host, tmp_path, FileMapper(default_identity(tp_size=2, **fields), rank=1)
@@ -831,8 +854,8 @@ async def test_full_queue_refuses_stores_with_a_failed_result(
 async def test_single_thread_alternates_between_loads_and_stores(
     tmp_path: Path, host: kc.HostBuffer
 ) -> None:
-    """Spec §4.4 (no starvation): with both queues full, one thread alternates; stores are not
-    starved by a stream of loads."""
+    """vLLM's ``DualQueueThreadPool`` (``tiering/fs/thread_pool.py``; neither queue starves): with
+    both queues full, one thread alternates; stores are not starved by a stream of loads."""
     tier = make_tier(tmp_path, host, io_threads=1, io_timeout_s=10)
     async with running(tier):
         assert (await store(tier, host, [1])).success
@@ -1274,9 +1297,9 @@ async def test_compiled_ops_return_errors_instead_of_raising(tmp_path: Path, io_
 async def test_store_of_a_present_key_keeps_the_file(
     tmp_path: Path, host: kc.HostBuffer, max_bytes: int | None
 ) -> None:
-    """§4.3: a store of a key whose file exists leaves that file as it is (a hit, 0 bytes
-    written, no temp file left), with or without a size index; the compiled mover without one
-    learns it from rename(RENAME_NOREPLACE) instead of a lookup first."""
+    """As vLLM's ``tiering/fs/io.py``: a store of a key whose file exists leaves that file as it is
+    (a hit, 0 bytes written, no temp file left), with or without a size index; the compiled mover
+    without one learns it from rename(RENAME_NOREPLACE) instead of a lookup first."""
     tier = make_tier(tmp_path, host, max_bytes=max_bytes)
     async with running(tier):
         assert (await store(tier, host, [1, 2], [0, 1])).success

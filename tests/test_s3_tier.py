@@ -1,8 +1,8 @@
-"""The S3 tier (issue #8) against a real S3 server on loopback (``moto_server`` in its own
-process, :mod:`s3_fixtures`): vLLM's obj-tier scenarios (spec §9.12) in S3 terms, the object
-layout and format shared with the fs tier, faults injected by an HTTP proxy (throttling, latency,
-resets, stalls), pool hygiene, multipart clean-up, degradation and recovery, sharing between
-processes, and ``kvcascade replay`` with fs and s3 tiers.
+"""The S3 tier (issue #8) against a real S3 server on loopback (``moto_server`` in its own process,
+:mod:`s3_fixtures`): the scenarios of vLLM's ``tests/v1/kv_offload/tiering/test_obj_tier.py`` in S3
+terms, the object layout and format shared with the fs tier, faults injected by an HTTP proxy
+(throttling, latency, resets, stalls), pool hygiene, multipart clean-up, degradation and recovery,
+sharing between processes, and ``kvcascade replay`` with fs and s3 tiers.
 """
 
 from __future__ import annotations
@@ -85,12 +85,14 @@ def fresh(tier: S3Tier) -> S3Tier:
     return tier
 
 
-# -- spec §9.12 in S3 terms -----------------------------------------------------------------
+# -- vLLM tests/v1/kv_offload/tiering/test_obj_tier.py in S3 terms ---------------------------
 async def test_lookup_store_roundtrip_and_unrelated_key(
     moto: MotoServer, bucket: str, host: kc.HostBuffer
 ) -> None:
-    """§9.12 226–229: empty tier MISS; store then HIT (also for a fresh tier asking the bucket);
-    another key MISS; the load returns the stored bytes."""
+    """vLLM TestMockObjTierBasic test_lookup_empty_tier / test_store_and_lookup /
+    test_lookup_unrelated_key_returns_false / test_store_then_load_roundtrip: empty tier MISS; store
+    then HIT (also for a fresh tier asking the bucket); another key MISS; the load returns the
+    stored bytes."""
     tier = make_tier(moto.endpoint, bucket, host)
     async with running(tier):
         assert await lookups(tier, [key(0)], kc.ReqContext("a")) == [R.MISS]
@@ -120,8 +122,9 @@ async def test_invalidate_deletes_the_objects(
 async def test_independent_jobs_multi_block_and_partial_lookup(
     moto: MotoServer, bucket: str, host: kc.HostBuffer
 ) -> None:
-    """§9.12 230, 235, 236: two jobs both succeed; an 8-block store makes all 8 HIT; a lookup
-    over stored and unstored keys answers per key."""
+    """vLLM TestMockObjTierBasic.test_multiple_jobs_tracked_independently, TestMockObjTierMultiBlock
+    test_store_multiple_blocks / test_partial_block_lookup: two jobs both succeed; an 8-block store
+    makes all 8 HIT; a lookup over stored and unstored keys answers per key."""
     tier = make_tier(moto.endpoint, bucket, host)
     async with running(tier):
         a, b = await asyncio.gather(store(tier, host, [0, 1], [0, 1]), store(tier, host, [2], [2]))
@@ -168,8 +171,9 @@ async def test_object_key_and_format_are_the_fs_tiers(
 async def test_failed_load_is_reported_and_marks_the_verdict_negative(
     moto: MotoServer, bucket: str, host: kc.HostBuffer
 ) -> None:
-    """§9.12 231, 232: a cached HIT, the object deleted behind the tier's back: the promotion
-    fails and the same request now sees MISS; a load of a never-stored key fails."""
+    """vLLM TestMockObjTierBasic test_failed_load_marks_verdict_negative /
+    test_failed_transfer_reported: a cached HIT, the object deleted behind the tier's back: the
+    promotion fails and the same request now sees MISS; a load of a never-stored key fails."""
     tier = make_tier(moto.endpoint, bucket, host)
     async with running(tier):
         assert (await store(tier, host, [1])).success
@@ -199,8 +203,9 @@ async def test_partial_batch_reports_the_keys_that_loaded(
 async def test_pending_job_not_reported_until_done_and_drain_waits(
     moto: MotoServer, bucket: str, host: kc.HostBuffer
 ) -> None:
-    """§9.12 233, 234: a job in flight is not in get_finished_jobs; drain waits for it and its
-    result is kept for the next get_finished_jobs."""
+    """vLLM TestMockObjTierBasic test_pending_transfer_not_returned_until_done /
+    test_drain_jobs_polls_until_transfers_complete: a job in flight is not in get_finished_jobs;
+    drain waits for it and its result is kept for the next get_finished_jobs."""
     async with FaultProxy(moto.port) as proxy:
         proxy.faults.append(Fault("delay", lambda m, t: m == "PUT", seconds=0.3))
         tier = make_tier(proxy.endpoint, bucket, host)
@@ -218,8 +223,12 @@ async def test_pending_job_not_reported_until_done_and_drain_waits(
 async def test_submission_failures_and_successes_are_both_reported(
     moto: MotoServer, bucket: str, host: kc.HostBuffer
 ) -> None:
-    """§9.12 238–241: a job that cannot start (slot outside the primary tier) fails at once;
-    it and an in-flight success are both reported, once each."""
+    """vLLM TestMockObjTierFailures
+    test_submit_store_register_memory_failure_reported_in_get_finished /
+    test_submit_load_register_memory_failure_reported_in_get_finished /
+    test_submit_store_make_prepped_xfer_failure_reported_in_get_finished /
+    test_failure_and_success_both_returned_by_get_finished: a job that cannot start (slot outside
+    the primary tier) fails at once; it and an in-flight success are both reported, once each."""
     tier = make_tier(moto.endpoint, bucket, host)
     async with running(tier):
         bad_store = tier.submit_store(job([key(0)], [host.num_blocks], False))
@@ -233,8 +242,9 @@ async def test_submission_failures_and_successes_are_both_reported(
 async def test_shutdown_with_jobs_in_flight_and_idempotent_close(
     moto: MotoServer, bucket: str, host: kc.HostBuffer
 ) -> None:
-    """§9.12 245, 246: closing with a store in flight lets it finish, fails queued work, closes
-    the client; closing again is harmless and later submits raise TierUnavailableError."""
+    """vLLM TestMockObjTierShutdown test_shutdown_clears_in_flight_transfers /
+    test_shutdown_idempotent: closing with a store in flight lets it finish, fails queued work,
+    closes the client; closing again is harmless and later submits raise TierUnavailableError."""
     async with FaultProxy(moto.port) as proxy:
         proxy.faults.append(Fault("delay", lambda m, t: m == "PUT", seconds=0.3))
         tier = make_tier(proxy.endpoint, bucket, host, max_concurrency=1)
@@ -257,8 +267,12 @@ async def test_shutdown_with_jobs_in_flight_and_idempotent_close(
 async def test_events_only_for_successful_stores(
     moto: MotoServer, bucket: str, host: kc.HostBuffer
 ) -> None:
-    """§9.12 247–252: a successful store emits one stored event (STORAGE, tier name, the job's
-    keys); loads, failed stores and submission failures emit none."""
+    """vLLM TestObjTierKVEvents test_successful_store_emits_stored_event /
+    test_store_event_uses_configured_locality /
+    test_mixed_job_results_emit_event_only_for_successful_job / test_load_job_emits_no_event /
+    test_failed_transfer_emits_no_event / test_submission_failure_emits_no_event: a successful store
+    emits one stored event (STORAGE, tier name, the job's keys); loads, failed stores and submission
+    failures emit none."""
     async with FaultProxy(moto.port) as proxy:
         tier = make_tier(proxy.endpoint, bucket, host, name="bucket", max_attempts=1)
         async with running(tier):
@@ -276,8 +290,9 @@ async def test_events_only_for_successful_stores(
 def test_config_keys_aliases_and_no_secret_anywhere(
     host: kc.HostBuffer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """§9.12 255–258 in kvcascade terms: ``obj`` is an alias; unknown keys, a missing bucket,
-    a half credential pair and bad values are ConfigErrors; no secret in repr or messages."""
+    """vLLM TestObjStoreConfig in kvcascade terms: ``obj`` is an alias; unknown keys, a missing
+    bucket, a half credential pair and bad values are ConfigErrors; no secret in repr or
+    messages."""
     ctx = TierContext(host, default_identity())
     tier = create_secondary_tier({"type": "obj", **tier_config("http://x:1", "b")}, ctx)
     assert isinstance(tier, S3Tier) and tier.name == "obj"

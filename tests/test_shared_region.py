@@ -1,5 +1,7 @@
-"""SharedOffloadRegion on real mmaps in /dev/shm and real processes: spec §9.2 scenarios, the
-crash-safety we add (spec §10 items 3–4), sizing (spec §2.6) and zero-copy views."""
+"""SharedOffloadRegion on real mmaps in /dev/shm and real processes: the scenarios of vLLM's
+``tests/v1/kv_offload/cpu/test_shared_offload_region.py`` (named per test), the crash-safety we add
+(vLLM #54002, #57303; docs/cpu-tier.md), sizing (vLLM's ``kv_offload/cpu/spec.py``) and zero-copy
+views."""
 
 from __future__ import annotations
 
@@ -74,11 +76,12 @@ def region(
     return SharedOffloadRegion(iid, blocks, page, workers, rank, directory=shm_dir, **kw)
 
 
-# -- worker views (§9.2.27–39) ---------------------------------------------------------------
+# -- worker views (vLLM test_create_next_worker_view_*) -----------------------------------------
 
 
 def test_create_next_worker_view_shape_and_stride(shm_dir: str) -> None:
-    """§9.2.27: view shape (num_blocks, tensor_page), strides (cpu_page × workers, 1), int8."""
+    """vLLM test_create_next_worker_view_shape_and_stride: view shape (num_blocks, tensor_page),
+    strides (cpu_page × workers, 1), int8."""
     r = region(shm_dir, rank=0, workers=2)
     view = r.create_next_worker_view(1024)
     assert view.shape == (4, 1024) and view.stride() == (2 * PAGE, 1)
@@ -88,21 +91,24 @@ def test_create_next_worker_view_shape_and_stride(shm_dir: str) -> None:
 
 
 def test_create_next_worker_view_storage_offset_rank0(shm_dir: str) -> None:
-    """§9.2.28: rank 0's first view starts at byte 0."""
+    """vLLM test_create_next_worker_view_storage_offset_rank0: rank 0's first view starts at
+    byte 0."""
     r = region(shm_dir, rank=0, workers=2)
     assert r.create_next_worker_view(64).storage_offset() == 0
     r.cleanup()
 
 
 def test_create_next_worker_view_storage_offset_rank1(shm_dir: str) -> None:
-    """§9.2.29: rank 1's first view starts at cpu_page."""
+    """vLLM test_create_next_worker_view_storage_offset_rank1: rank 1's first view starts at
+    cpu_page."""
     r = region(shm_dir, rank=1, workers=2)
     assert r.create_next_worker_view(64).storage_offset() == PAGE
     r.cleanup()
 
 
 def test_create_next_worker_view_row_stride_with_multiple_workers(shm_dir: str) -> None:
-    """§9.2.30: 4 workers → row stride 4 × cpu_page."""
+    """vLLM test_create_next_worker_view_row_stride_with_multiple_workers: 4 workers → row
+    stride 4 × cpu_page."""
     r = region(shm_dir, rank=3, workers=4)
     assert r.row_stride == 4 * PAGE
     assert r.create_next_worker_view(8).stride() == (4 * PAGE, 1)
@@ -110,7 +116,9 @@ def test_create_next_worker_view_row_stride_with_multiple_workers(shm_dir: str) 
 
 
 def test_create_next_worker_view_cursor_advances_and_exact_fill(shm_dir: str) -> None:
-    """§9.2.31/32: the cursor advances by each page until exactly the slot end."""
+    """vLLM test_create_next_worker_view_cursor_advances /
+    test_create_next_worker_view_exact_fill_succeeds: the cursor advances by each page until exactly
+    the slot end."""
     r = region(shm_dir, rank=1, workers=2)
     offsets = [r.create_next_worker_view(p).storage_offset() for p in (1024, 1024, 2048)]
     assert offsets == [PAGE, PAGE + 1024, PAGE + 2048]
@@ -118,8 +126,10 @@ def test_create_next_worker_view_cursor_advances_and_exact_fill(shm_dir: str) ->
 
 
 def test_create_next_worker_view_overflow(shm_dir: str) -> None:
-    """§9.2.33–35: a single or cumulative overflow raises (mentioning the worker area end)
-    without moving the cursor."""
+    """vLLM test_create_next_worker_view_single_overflow_raises /
+    test_create_next_worker_view_cumulative_overflow_raises /
+    test_create_next_worker_view_overflow_does_not_mutate_cursor: a single or cumulative overflow
+    raises (mentioning the worker area end) without moving the cursor."""
     r = region(shm_dir, rank=0, workers=2)
     with pytest.raises(ConfigError, match="exceeds worker area end"):
         r.create_next_worker_view(PAGE + 1)
@@ -131,8 +141,9 @@ def test_create_next_worker_view_overflow(shm_dir: str) -> None:
 
 
 def test_create_next_worker_view_write_visible_in_raw_mmap(shm_dir: str) -> None:
-    """§9.2.36/37: writes through two views of one worker land at row·stride + offset, the
-    tensors consecutive within each row; the raw file shows them."""
+    """vLLM test_create_next_worker_view_write_visible_in_raw_mmap /
+    test_create_next_worker_view_multi_tensor_layout: writes through two views of one worker land at
+    row·stride + offset, the tensors consecutive within each row; the raw file shows them."""
     r = region(shm_dir, rank=0, workers=2)
     a, b = r.create_next_worker_view(16), r.create_next_worker_view(16)
     a[2].fill_(5)
@@ -147,7 +158,7 @@ def test_create_next_worker_view_write_visible_in_raw_mmap(shm_dir: str) -> None
 
 
 def test_create_next_worker_view_worker_isolation(shm_dir: str) -> None:
-    """§9.2.39: two workers' slots do not overlap."""
+    """vLLM test_create_next_worker_view_worker_isolation: two workers' slots do not overlap."""
     r0 = region(shm_dir, rank=0, workers=2)
     r1 = region(shm_dir, rank=1, workers=2)
     v0, v1 = r0.create_next_worker_view(PAGE), r1.create_next_worker_view(PAGE)
@@ -159,11 +170,13 @@ def test_create_next_worker_view_worker_isolation(shm_dir: str) -> None:
     r0.cleanup()
 
 
-# -- creation, files, cleanup (§9.2.40–43, 52–55) -------------------------------------------
+# -- creation, files, cleanup (vLLM test_creator_*, test_file_*, test_cleanup_*) -----------------
 
 
 def test_creator_and_joiner_flags_file_and_size(shm_dir: str) -> None:
-    """§9.2.40–43: first opener creates (mode 0600), the second joins; size = blocks × stride."""
+    """vLLM test_creator_flag_set_on_first_open / test_joiner_flag_not_set /
+    test_file_exists_after_construction / test_file_has_correct_size: first opener creates (mode
+    0600), the second joins; size = blocks × stride."""
     r0 = region(shm_dir, rank=0, workers=2)
     r1 = region(shm_dir, rank=1, workers=2)
     assert r0.is_creator and not r1.is_creator
@@ -175,8 +188,10 @@ def test_creator_and_joiner_flags_file_and_size(shm_dir: str) -> None:
 
 
 def test_cleanup_effects_and_idempotence(shm_dir: str) -> None:
-    """§9.2.52–55: joiner cleanup keeps the file, creator cleanup removes it (and its owner
-    record); cleanup twice is fine, also after views were handed out."""
+    """vLLM test_cleanup_creator_all_effects / test_cleanup_non_creator_all_effects /
+    test_cleanup_idempotent / test_cleanup_after_create_next_worker_view_releases_mmap: joiner
+    cleanup keeps the file, creator cleanup removes it (and its owner record); cleanup twice is
+    fine, also after views were handed out."""
     r0 = region(shm_dir, rank=0, workers=2)
     r1 = region(shm_dir, rank=1, workers=2)
     view = r1.create_next_worker_view(8)
@@ -189,12 +204,12 @@ def test_cleanup_effects_and_idempotence(shm_dir: str) -> None:
     assert os.listdir(shm_dir) == []
 
 
-# -- prefault (§9.2.44–48) ---------------------------------------------------------------------
+# -- prefault (vLLM test_madvise_*, test_fallback_populate_*) -------------------------------------
 
 
 def test_madvise_success_selects_madvise_population(shm_dir: str, monkeypatch) -> None:
-    """§9.2.44: with MADV_POPULATE_WRITE, one probe plus one call per row of a ranked region
-    (its slot only) and no fallback."""
+    """vLLM test_madvise_success_selects_madvise_population: with MADV_POPULATE_WRITE, one probe
+    plus one call per row of a ranked region (its slot only) and no fallback."""
     calls = []
     monkeypatch.setattr(shm, "_populate_write", lambda mm, s, n: calls.append((s, n)))
     monkeypatch.setattr(SharedOffloadRegion, "_touch_pages", lambda *a: pytest.fail("fallback"))
@@ -205,8 +220,9 @@ def test_madvise_success_selects_madvise_population(shm_dir: str, monkeypatch) -
 
 @pytest.mark.parametrize("rank", [1, None])
 def test_madvise_einval_selects_fallback(shm_dir: str, monkeypatch, rank: int | None) -> None:
-    """§9.2.45/46: EINVAL from the probe → the touch fallback over every ranked slot, or one
-    range covering the whole unranked region."""
+    """vLLM test_madvise_einval_selects_fallback_for_ranked_region /
+    test_madvise_einval_selects_fallback_for_unranked_region: EINVAL from the probe → the touch
+    fallback over every ranked slot, or one range covering the whole unranked region."""
 
     def einval(mm, s, n):
         raise OSError(errno.EINVAL, "no such advice")
@@ -221,7 +237,8 @@ def test_madvise_einval_selects_fallback(shm_dir: str, monkeypatch, rank: int | 
 
 
 def test_fallback_populate_write_preserves_bytes(shm_dir: str) -> None:
-    """§9.2.47: the fallback rewrites one byte per page with its own value: data survive."""
+    """vLLM test_fallback_populate_write_preserves_bytes_and_faults_pages: the fallback rewrites one
+    byte per page with its own value: data survive."""
     r = region(shm_dir, rank=None, workers=1, blocks=8)
     data = np.frombuffer(r.memoryview, dtype=np.uint8)
     data[:] = np.arange(data.size, dtype=np.uint64).astype(np.uint8)
@@ -233,7 +250,8 @@ def test_fallback_populate_write_preserves_bytes(shm_dir: str) -> None:
 
 
 def test_madvise_unexpected_oserror_propagates(shm_dir: str, monkeypatch) -> None:
-    """§9.2.48: a non-EINVAL error (EIO) escapes the constructor; the creator leaves no file."""
+    """vLLM test_madvise_unexpected_oserror_propagates: a non-EINVAL error (EIO) escapes the
+    constructor; the creator leaves no file."""
 
     def eio(mm, s, n):
         raise OSError(errno.EIO, "io error")
@@ -244,12 +262,13 @@ def test_madvise_unexpected_oserror_propagates(shm_dir: str, monkeypatch) -> Non
     assert info.value.errno == errno.EIO and os.listdir(shm_dir) == []
 
 
-# -- races and waiting (§9.2.49–51, 56–58) ----------------------------------------------------
+# -- races and waiting (vLLM test_multi*_race_*, test_wait_for_file_size_*) ------------------------
 
 
 def test_multi_worker_race_exactly_one_creator(shm_dir: str) -> None:
-    """§9.2.49/50: racing threads: exactly one creator, all construct, a byte written through
-    one mapping is visible in all."""
+    """vLLM test_multi_worker_race_exactly_one_creator /
+    test_multi_worker_race_shared_memory_visible: racing threads: exactly one creator, all
+    construct, a byte written through one mapping is visible in all."""
     regions: list[SharedOffloadRegion] = []
     lock = threading.Lock()
 
@@ -272,7 +291,8 @@ def test_multi_worker_race_exactly_one_creator(shm_dir: str) -> None:
 
 
 def test_wait_for_file_size(shm_dir: str) -> None:
-    """§9.2.56/57: a joiner returns at once for a sized file and waits for a growing one."""
+    """vLLM test_wait_for_file_size_already_large_enough / test_wait_for_file_size_waits_for_grow: a
+    joiner returns at once for a sized file and waits for a growing one."""
     path = os.path.join(shm_dir, "kvcascade_w.mmap")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     timer = threading.Timer(0.2, os.ftruncate, (fd, 4 * PAGE))
@@ -289,7 +309,7 @@ def test_wait_for_file_size(shm_dir: str) -> None:
 
 
 def test_wait_for_file_size_timeout(shm_dir: str) -> None:
-    """§9.2.58: TimeoutError if the creator never sizes the file."""
+    """vLLM test_wait_for_file_size_timeout: TimeoutError if the creator never sizes the file."""
     path = os.path.join(shm_dir, "kvcascade_t.mmap")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     with pytest.raises(TimeoutError):
@@ -305,12 +325,12 @@ def test_joiner_with_other_geometry_fails(shm_dir: str) -> None:
     r.cleanup()
 
 
-# -- space and sizing failures (§9.2.59/60) ----------------------------------------------------
+# -- space and sizing failures (vLLM test_insufficient_space_*, test_ftruncate_*) ---------------
 
 
 def test_insufficient_space_raises_clear_error(shm_dir: str, monkeypatch) -> None:
-    """§9.2.59: a failed space check names requested bytes, available bytes and path; no file
-    is left."""
+    """vLLM test_insufficient_space_raises_clear_error: a failed space check names requested bytes,
+    available bytes and path; no file is left."""
     real = os.statvfs
     monkeypatch.setattr(
         shm.os,
@@ -325,7 +345,8 @@ def test_insufficient_space_raises_clear_error(shm_dir: str, monkeypatch) -> Non
 
 
 def test_too_large_region_on_small_tmpfs_fails_at_init(small_tmpfs: str) -> None:
-    """§9.2.59 on a real 1 MiB tmpfs: a 2 MiB request fails at init with the message, no file."""
+    """vLLM test_insufficient_space_raises_clear_error on a real 1 MiB tmpfs: a 2 MiB request fails
+    at init with the message, no file."""
     with pytest.raises(InsufficientSpaceError) as info:
         SharedOffloadRegion("big", 512, PAGE, directory=small_tmpfs)
     msg = str(info.value)
@@ -334,7 +355,8 @@ def test_too_large_region_on_small_tmpfs_fails_at_init(small_tmpfs: str) -> None
 
 
 def test_ftruncate_failure_cleans_up_creator(shm_dir: str, monkeypatch) -> None:
-    """§9.2.60: a failing ftruncate unlinks and closes before re-raising."""
+    """vLLM test_ftruncate_failure_cleans_up_creator: a failing ftruncate unlinks and closes before
+    re-raising."""
 
     def fail(fd, n):
         raise OSError(errno.ENOSPC, "no space")
@@ -379,8 +401,12 @@ def test_pinning_is_skipped_without_cuda(shm_dir: str, caplog, monkeypatch) -> N
 
 
 def test_sizing_from_config() -> None:
-    """§2.6 / §9.5.92/93/110: 32 worker bytes, 3·4096 budget → page 32, row 4096, 3 blocks;
-    zero worker bytes → an empty cache; a missing, zero or negative budget → what to set."""
+    """vLLM's ``kv_offload/cpu/spec.py`` sizing, as ``tests/v1/kv_offload/test_factory.py``
+    test_cpu_spec_sizes_normalized_worker_layout /
+    test_cpu_spec_zero_worker_bytes_produces_empty_cache /
+    test_cpu_spec_missing_cpu_bytes_to_use_raises: 32 worker bytes, 3·4096 budget → page 32, row
+    4096, 3 blocks; zero worker bytes → an empty cache; a missing, zero or negative budget → what to
+    set."""
     g = region_geometry(3 * 4096, 32)
     assert (g.cpu_page_size, g.block_bytes, g.row_stride, g.num_blocks) == (32, 32, 4096, 3)
     g = region_geometry(10 * 8192, 3000, num_workers=2, blocks_per_chunk=2)
@@ -454,9 +480,10 @@ def spawn(
 
 
 def test_two_workers_and_scheduler_share_writes_and_unlink_early(shm_dir: str) -> None:
-    """§9.2.38/51: two worker processes and a scheduler process race to attach; exactly one
-    creates; each sees both workers' writes in the interleaved rows; once all three mapped it,
-    the file is gone (nothing left to leak)."""
+    """vLLM test_create_next_worker_view_multiprocess_slots /
+    test_multiprocess_race_construct_and_write: two worker processes and a scheduler process race to
+    attach; exactly one creates; each sees both workers' writes in the interleaved rows; once all
+    three mapped it, the file is gone (nothing left to leak)."""
     procs = [spawn(shm_dir, "mp", rank, 2, 3) for rank in ("0", "1", "s")]
     ready = [p.stdout.readline().split() for p in procs]
     assert sorted(r[1] for r in ready) == ["False", "False", "True"]
@@ -479,9 +506,10 @@ def _tmpfs_used(directory: str) -> int:
 
 
 def test_kill_9_restarts_leave_usage_flat(shm_dir: str) -> None:
-    """Spec §10.3: kill -9 of every participant, restarted 5 times with the same instance id,
-    leaves /dev/shm usage flat. One participant never shows up (expected 4, 3 run), so the file
-    is not unlinked early and each restart's stale cleanup must remove it."""
+    """vLLM #54002 (the region file leaks on a crash): kill -9 of every participant, restarted 5
+    times with the same instance id, leaves /dev/shm usage flat. One participant never shows up
+    (expected 4, 3 run), so the file is not unlinked early and each restart's stale cleanup must
+    remove it."""
     blocks = 64  # 64 rows × 8 KiB = 512 KiB per generation
     sizes, files = [], []
     for _ in range(5):

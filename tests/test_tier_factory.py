@@ -1,4 +1,7 @@
-"""Secondary-tier registry and factory (spec §3.11, §9.9) and the async lookup (§3.12, §9.8)."""
+"""Secondary-tier registry and factory, and the async lookup.
+
+The scenarios of vLLM's ``tests/v1/kv_offload/tiering/test_factory.py`` and
+``tests/v1/kv_offload/tiering/test_async_lookup.py``, named per test."""
 
 from __future__ import annotations
 
@@ -27,8 +30,8 @@ def ctx() -> TierContext:
 
 
 def test_builtin_tiers_resolve_to_secondary_tiers(ctx: TierContext) -> None:
-    """§9.9 179/180: registered types import and build SecondaryTier subclasses; example is an
-    alias of the memory tier."""
+    """vLLM test_pre_registered_tiers_can_be_imported / test_example_tier_registered: registered
+    types import and build SecondaryTier subclasses; example is an alias of the memory tier."""
     for kind in ("memory", "example"):
         tier = create_secondary_tier({"type": kind}, ctx)
         assert isinstance(tier, kc.MemoryTier)
@@ -36,13 +39,14 @@ def test_builtin_tiers_resolve_to_secondary_tiers(ctx: TierContext) -> None:
 
 
 def test_create_multiple_tiers(ctx: TierContext) -> None:
-    """§9.9 182: two configs → two tiers with their own names."""
+    """vLLM test_create_multiple_tiers: two configs → two tiers with their own names."""
     tiers = [create_secondary_tier({"type": "memory", "name": n}, ctx) for n in ("a", "b")]
     assert [t.name for t in tiers] == ["a", "b"]
 
 
 def test_register_new_tier_type(ctx: TierContext) -> None:
-    """§9.9 183/186: a new type registers and builds; a duplicate registration is refused."""
+    """vLLM test_register_new_tier_type / test_duplicate_registration_raises: a new type registers
+    and builds; a duplicate registration is refused."""
     name = "test-registered-tier"
     register_secondary_tier(name, lambda c, **kw: kc.MemoryTier(c.host, **kw))
     try:
@@ -54,8 +58,8 @@ def test_register_new_tier_type(ctx: TierContext) -> None:
 
 
 def test_missing_and_unknown_type_raise(ctx: TierContext) -> None:
-    """§9.9 184/185: missing type → "must include 'type'"; unknown without module_path →
-    an error that lists the known types."""
+    """vLLM test_missing_tier_type_raises / test_unknown_tier_type_raises: missing type → "must
+    include 'type'"; unknown without module_path → an error that lists the known types."""
     with pytest.raises(ValueError, match="must include 'type'"):
         create_secondary_tier({"root_dir": "/x"}, ctx)
     with pytest.raises(ValueError, match=r"Unknown secondary tier type 'tape'.*memory"):
@@ -69,7 +73,8 @@ class PluginTier(kc.MemoryTier):
 
 
 def test_module_path_tiers(ctx: TierContext, monkeypatch: pytest.MonkeyPatch) -> None:
-    """§9.9 187/188/189: module_path loads the class named by type (must subclass
+    """vLLM test_create_tier_from_module_path / test_module_path_not_subclass_raises /
+    test_module_path_invalid_module_raises: module_path loads the class named by type (must subclass
     SecondaryTier); a bad module raises ModuleNotFoundError."""
     module = types.ModuleType("kvcascade_test_plugin")
     module.PluginTier = PluginTier  # type: ignore[attr-defined]
@@ -116,8 +121,10 @@ async def step(tier: kc.SecondaryTier) -> None:
 
 
 async def test_async_lookup_resolves_after_flush() -> None:
-    """§9.8 166–169, 173: a new key answers RETRY and is probed once per batch; after the flush
-    the verdicts are HIT / MISS; repeated lookups never re-enqueue."""
+    """vLLM test_new_key_returns_none / test_found_key_returns_true /
+    test_not_found_key_returns_false / test_multiple_keys_single_step /
+    test_repeated_lookup_same_key_no_duplicate_batch: a new key answers RETRY and is probed once per
+    batch; after the flush the verdicts are HIT / MISS; repeated lookups never re-enqueue."""
     host = kc.HostBuffer(2, 64)
     tier = CountingTier(host)
     task = await run_tier(tier)
@@ -136,8 +143,10 @@ async def test_async_lookup_resolves_after_flush() -> None:
 
 
 async def test_async_lookup_cleanup_and_mark_miss() -> None:
-    """§9.8 170/171/174/177: verdicts live while a request refers to them; mark_miss flips a
-    cached verdict without re-probing; cleanup of an unknown request is a no-op."""
+    """vLLM test_cleanup_removes_entries / test_cleanup_preserves_shared_entries /
+    test_cleanup_unknown_req_id_is_noop / test_mark_miss_flips_cached_verdict_without_reprobing:
+    verdicts live while a request refers to them; mark_miss flips a cached verdict without
+    re-probing; cleanup of an unknown request is a no-op."""
     host = kc.HostBuffer(2, 64)
     tier = CountingTier(host)
     task = await run_tier(tier)

@@ -208,8 +208,10 @@ def test_overwritten_kv_changes_tokens(offload_llm: LLM, baseline: dict[str, lis
 
 
 def test_worker_metadata_aggregates_across_workers() -> None:
-    """§9.14 348–351: counts summed per job id, disjoint ids united, three workers, failures
-    united and transfer totals summed."""
+    """vLLM test_aggregate_sums_counts / test_aggregate_disjoint_jobs /
+    test_aggregate_multiple_workers / test_aggregate_transfer_stats
+    (``offloading_connector/test_worker_metadata.py``): counts summed per job id, disjoint ids
+    united, three workers, failures united and transfer totals summed."""
     meta = kcv.KVCascadeWorkerMetadata
     a = meta({42: 1, 7: 1}, {9}, load_bytes=10, store_bytes=1, load_seconds=0.5)
     b = meta({42: 1, 7: 1, 5: 1}, set(), load_bytes=20, store_bytes=2, store_seconds=0.25)
@@ -237,8 +239,9 @@ def test_worker_metadata_aggregates_across_workers() -> None:
 def test_engine_refuses_bad_connector_config(
     model_dir: Path, extra: dict[str, Any], message: str
 ) -> None:
-    """§9.15 / §1.9: the connector validates kv_connector_extra_config with vLLM's rules and the
-    engine fails to start with the rule's message."""
+    """vLLM's ``tests/v1/kv_connector/unit/offloading_connector/test_config.py``
+    (``build_offloading_config``): the connector validates kv_connector_extra_config with vLLM's
+    rules and the engine fails to start with the rule's message."""
     config = {
         "kv_connector": "KVCascadeConnector",
         "kv_connector_module_path": "kvcascade.integrations.vllm",

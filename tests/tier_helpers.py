@@ -48,7 +48,8 @@ async def load(tier: kc.SecondaryTier, ids: list[int], slots: list[int]) -> kc.J
 
 
 async def lookups(tier: kc.SecondaryTier, keys: list[bytes], ctx: kc.ReqContext) -> list[R]:
-    """The async-lookup cycle (spec §3.12): RETRY, flush at schedule end, then the verdicts."""
+    """The async-lookup cycle (vLLM's ``tiering/async_lookup.py``): RETRY, flush at schedule end,
+    then the verdicts."""
     first = [tier.lookup(k, ctx) for k in keys]
     if R.RETRY in first:
         tier.on_schedule_end(kc.ScheduleEndContext())

@@ -7,7 +7,7 @@ Enable it with::
       "kv_load_failure_policy": "recompute",
       "kv_connector_extra_config": {"cpu_bytes_to_use": 8000000000}}'
 
-The extra config takes vLLM OffloadingConnector's keys (spec §1.9; ``docs/vllm.md``).
+The extra config takes vLLM OffloadingConnector's keys (``offloading/config.py``; ``docs/vllm.md``).
 Supported vLLM: ``SUPPORTED_VLLM`` (checked when the connector is built).
 
 Scheduler role: a :class:`~kvcascade.scheduler.OffloadScheduler` decides loads and stores; the
@@ -16,9 +16,10 @@ background thread (:class:`~kvcascade.integrations._loop.LoopThread`) over the p
 shared ``/dev/shm`` region; each hook reaches the loop through the portal and waits only for that
 bookkeeping call. Worker role: the KV caches are registered as int8 ``(num_blocks, page_bytes)``
 views, the worker maps the same region, and copies run on one thread per direction (stores
-deferred to the next step's start, spec §5.1). Hooks never raise on a tier or transfer failure: a
-failed load is reported through ``failed_recving`` and vLLM recomputes the request (with
-``kv_load_failure_policy: "recompute"``; vLLM's default ``"fail"`` fails the request instead).
+deferred to the next step's start, as vLLM's ``offloading/worker.py``). Hooks never raise on a
+tier or transfer failure: a failed load is reported through ``failed_recving`` and vLLM
+recomputes the request (with ``kv_load_failure_policy: "recompute"``; vLLM's default ``"fail"``
+fails the request instead).
 
 For routers and operators (``docs/vllm.md``): the tiers' events go to vLLM's KV-event stream
 (``take_events``, :mod:`._vllm_events`), the statistics to vLLM's ``/metrics``
@@ -170,7 +171,7 @@ class KVCascadeWorkerMetadata(KVConnectorWorkerMetadata):
 # -- configuration -------------------------------------------------------------------------------
 @dataclass
 class _Setup:
-    """Everything both roles derive from vLLM's configuration (spec §1.8, §1.9)."""
+    """Everything both roles derive from vLLM's configuration (as ``build_offloading_config``)."""
 
     extra: dict[str, Any]
     scheduler: SchedulerConfig
@@ -608,8 +609,8 @@ class _WorkerSide:
     def _copy(
         self, spec: TransferSpec, store: bool, ready: torch.cuda.Event | None
     ) -> tuple[int, float]:
-        """Copy one job's blocks of every layer (spec §5.3 plan) as one batch of descriptors,
-        through the copy core shared with ``DeviceTier``
+        """Copy one job's blocks of every layer (the copy plan of docs/device.md) as one batch of
+        descriptors, through the copy core shared with ``DeviceTier``
         (:meth:`kvcascade.tiers.device.DeviceCopier.launch`).
 
         On CUDA the batch is enqueued on this direction's side stream after ``ready`` (recorded
@@ -882,7 +883,7 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
             return ()
 
     def reset_cache(self) -> bool | None:
-        """Drop all offload state (spec §6.11); waits for the tiers to drain."""
+        """Drop all offload state (as vLLM's ``reset_cache``); waits for the tiers to drain."""
         self.scheduler.reset_cache()
         return True
 

@@ -1,4 +1,4 @@
-"""Where a block lives in a file or object namespace (spec §4.1, shared by fs and s3).
+"""Where a block lives in a file or object namespace (vLLM's ``kv_offload/file_mapper.py``).
 
 Same contract as vLLM's ``FileMapper``: the namespace directory is
 ``<root>/<model>_<digest12>_r<rank>`` where ``<model>`` is the model name with ``/`` replaced by
@@ -39,7 +39,7 @@ class FileMapper:
             are equal.
         rank: the worker rank written after the digest (``_r<rank>``); 0 whatever is given
             when the identity is parallel-agnostic (it has no ``parallel_agnostic: False``
-            field, spec §4.1), so every rank shares ``_r0``.
+            field, as vLLM's ``FileMapper``), so every rank shares ``_r0``.
 
     Raises:
         ConfigError: ``identity`` is not JSON-serialisable, has no ``model_name``, or its

@@ -1,4 +1,4 @@
-"""Batched asynchronous existence probes behind a synchronous lookup (spec §3.12).
+"""Asynchronous existence probes behind a synchronous lookup (vLLM's ``tiering/async_lookup.py``).
 
 A synchronous ``lookup`` never blocks: an unknown key answers ``RETRY`` and joins this step's
 batch; :meth:`AsyncLookup.flush` (at schedule end) hands the batch to the tier's thread pool as one

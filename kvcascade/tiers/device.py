@@ -197,8 +197,8 @@ class DeviceTier:
     Args:
         num_blocks: GPU blocks in the cache (``>= 1``).
         host: the primary tier's buffer; a chunk (row) holds ``blocks_per_chunk`` GPU pages.
-        blocks_per_chunk: GPU blocks per primary-tier chunk (k ``>= 1``, spec §1.8); the GPU page
-            is ``host.block_bytes // k`` bytes.
+        blocks_per_chunk: GPU blocks per primary-tier chunk (k ``>= 1``, docs/device.md); the GPU
+            page is ``host.block_bytes // k`` bytes.
         device: torch device of the self-allocated cache; default CUDA when available, else CPU.
         views: the engine's KV cache as canonical views (:func:`kvcascade.canonical_views`):
             int8 ``(num_blocks, page_i)`` tensors with contiguous rows, on one device, their
@@ -313,7 +313,7 @@ class DeviceTier:
         gpu_ids: Sequence[int],
         cpu_chunks: Sequence[int],
     ) -> DeviceTransfer:
-        """One GPU↔CPU transfer planned as spec §5.3 (``GPULoadStoreSpec`` fields + CPU chunks).
+        """One GPU↔CPU transfer, docs/device.md's copy plan (``GPULoadStoreSpec`` + CPU chunks).
 
         Args:
             direction: ``"store"`` (GPU→CPU) or ``"load"`` (CPU→GPU).

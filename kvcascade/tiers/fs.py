@@ -1,6 +1,6 @@
 """The local filesystem tier (``type: "fs"``): one checksummed file per block, atomic, bounded.
 
-Layout (spec §4.1, same path formula as vLLM's ``FileMapper``)::
+Layout (the path formula of vLLM's ``kv_offload/file_mapper.py``, ``FileMapper``)::
 
     <root_dir>/<model>_<digest12>/config.json                       the namespace identity
     <root_dir>/<model>_<digest12>_r<rank>/<hhh>/<hh>_g<group>/<hex>.bin
@@ -11,7 +11,7 @@ offset, memory address (primary rows and the per-thread header buffer are page-a
 memory) and length: O_DIRECT can then be used wherever the filesystem accepts it. The cost is
 4 KiB per file (6 % of a 64 KiB block, 0.1 % of a 4 MiB one).
 
-I/O (same rules as vLLM's fs tier, spec §4.3): O_DIRECT is probed once per namespace directory at
+I/O (the rules of vLLM's ``tiering/fs/io.py``): O_DIRECT is probed once per namespace directory at
 construction (one aligned page written to a probe file); any error (overlayfs, old tmpfs, some
 NFS) selects buffered I/O for the tier's lifetime. A store writes ``<path>_<pid>_<random>.tmp``
 opened ``O_CREAT|O_EXCL`` (mode 0600) with one vectored write (header + payload), with
@@ -137,7 +137,7 @@ class _Rows(list[memoryview]):
 
 
 def probe_o_direct(directory: str | os.PathLike[str]) -> bool:
-    """True when ``directory`` accepts an O_DIRECT write of one aligned page (spec §4.3).
+    """True when ``directory`` accepts an O_DIRECT write of one aligned page (vLLM's ``fs/io.py``).
 
     Any OSError (EINVAL on overlayfs, old tmpfs, some NFS) means buffered I/O. A directory that
     cannot be written at all (a read-only mount of a pre-filled cache) is logged as such: its
@@ -169,8 +169,8 @@ def probe_o_direct(directory: str | os.PathLike[str]) -> bool:
 class FileSystemTier(SecondaryTier):
     """Secondary tier storing one checksummed file per block under ``root_dir``.
 
-    Same contract as vLLM's ``FileSystemTierManager`` (spec §4.2–4.4) plus capacity, integrity,
-    restart reuse and deadlines (module docstring).
+    Same contract as vLLM's ``FileSystemTierManager`` (``tiering/fs/manager.py``, ``io.py``,
+    ``thread_pool.py``) plus capacity, integrity, restart reuse and deadlines (module docstring).
 
     Args:
         host: the primary tier's buffer.

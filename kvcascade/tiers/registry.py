@@ -1,4 +1,4 @@
-"""Secondary-tier types: name → factory registry (spec §3.11, §9.9).
+"""Secondary-tier types: name → factory registry (vLLM's ``tiering/factory.py``).
 
 Built-in types resolve lazily (no import until used): ``fs``; ``memory`` (vLLM's ``example`` is an
 alias); ``s3`` (vLLM's ``obj`` is an alias); ``valkey`` (a Valkey / Redis server or cluster).

@@ -3,7 +3,7 @@
 Object key of a block: ``<prefix>/`` + the fs tier's relative path
 (:meth:`~kvcascade.tiers._file_mapper.FileMapper.relative_path`), i.e.
 ``<prefix>/<model>_<digest12>_r<rank>/<hhh>/<hh>_g<group>/<hex>.bin``, never with ``//`` nor a
-leading ``/`` (vLLM's obj tier has both, spec §4.5, §10). Object bytes are the block file
+leading ``/`` (vLLM's ``tiering/obj/manager.py`` has both). Object bytes are the block file
 format of :mod:`kvcascade.tiers._block_format` (a 4096-byte header: magic, version, payload
 length, xxh3 of the payload and of the key; the payload; zero padding to a multiple of 4096
 bytes), so block files copied between a bucket and an fs ``root_dir`` (``aws s3 sync``) are
@@ -37,9 +37,9 @@ mode with ``max_attempts`` attempts in all.
   (:func:`~kvcascade.tiers._block_format.check_block`). A body is read to its end or closed on
   every path, cancellation included, so no connection leaks from the pool (aiobotocore #1061).
   A corrupt object is deleted and counted (``counters["corrupt_blocks"]``).
-* **Lookup**: vLLM's async lookup (spec §3.12) over concurrent ``HeadObject`` requests; keys this
-  tier stored, loaded or found are remembered (an LRU index) and answer ``HIT`` without a request.
-  A probe error answers ``MISS``.
+* **Lookup**: vLLM's async lookup (``tiering/async_lookup.py``) over concurrent ``HeadObject``
+  requests; keys this tier stored, loaded or found are remembered (an LRU index) and answer
+  ``HIT`` without a request. A probe error answers ``MISS``.
 * **Capacity** (``max_bytes``): the index (:class:`~kvcascade.tiers._capacity.CapacityIndex`)
   doubles as the LRU of the objects this tier knows; a store that would exceed the bound first
   deletes the least recently used objects (``counters["evictions"]``, one removal event per
@@ -545,7 +545,7 @@ class S3Tier(SecondaryTier):
         return list(keys) if self.max_bytes is None else self._known.present(keys)
 
     def touch(self, keys: Collection[bytes]) -> None:
-        """Mark known ``keys`` most recently used (spec §3.8 recency)."""
+        """Mark known ``keys`` most recently used (vLLM's ``touch``, ``tiering/manager.py``)."""
         self._known.touch(keys)
 
     # -- movers (coroutines on the event loop) -------------------------------------------

@@ -1,4 +1,4 @@
-"""The primary tier's memory as one shared file in ``/dev/shm`` (spec §2.7, §10 items 3–4).
+"""The primary tier's memory as one shared file in ``/dev/shm`` (vLLM's ``SharedOffloadRegion``).
 
 One engine's worker processes and its scheduler map the same file
 ``<directory>/kvcascade_<instance_id>.mmap`` (``directory`` defaults to ``/dev/shm``). Row ``b``
@@ -74,7 +74,7 @@ _cuda_skip_logged = False
 
 @dataclass(frozen=True)
 class RegionGeometry:
-    """Sizes of a shared region derived from the configuration (spec §2.6).
+    """Sizes of a shared region derived from the configuration (vLLM's ``kv_offload/cpu/spec.py``).
 
     Attributes:
         cpu_page_size: bytes of one worker's slot in a row (worker bytes × blocks per chunk).
@@ -100,7 +100,7 @@ def region_geometry(
     num_workers: int = 1,
     blocks_per_chunk: int = 1,
 ) -> RegionGeometry:
-    """Size the primary tier from the configuration, as vLLM's CPU spec (spec §2.6).
+    """Size the primary tier from the configuration, as vLLM's ``kv_offload/cpu/spec.py``.
 
     Args:
         cpu_bytes_to_use: host-memory budget in bytes, total across all workers.
