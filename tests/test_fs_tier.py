@@ -885,6 +885,7 @@ async def test_threads_take_queued_jobs_without_the_loop(
     """An I/O thread that finishes a job takes the next queued one itself: with the event loop
     blocked (a scheduler step that runs long), every queued store still reaches the disk, and
     the results arrive once the loop runs again."""
+    asyncio.get_running_loop().set_debug(False)  # blocked on purpose: debug mode's checks off
     tier = make_tier(tmp_path, host, io_threads=1)
     async with running(tier):
         for i in range(6):
