@@ -314,7 +314,10 @@ class TieringCoordinator:
         with those verdicts (primary hits pinned, secondary hits promoted), and the first miss
         ends the prefix. A key evicted from the primary since the batch probe (an earlier key's
         promotion took its slot) is probed again on its own instead of being called a miss.
+        An asyncio caller has no steps: the finished jobs are applied first (:meth:`poll_now`),
+        so the slots of promotions that landed for requests finished unread are evictable again.
         """
+        self.poll_now()
         absent = [k for k in keys if self.primary.get_block(k) is None]
         found: list[dict[bytes, bool]] = []
         for tier in self.tiers:

@@ -395,3 +395,30 @@ def test_kv_views_that_do_not_fit_are_refused_naming_the_view(views, message) ->
     cfg = kc.CascadeConfig(block_bytes=1024, gpu_blocks=16, cpu_blocks=2, secondary_tiers=[])
     with pytest.raises(kc.ConfigError, match=message):
         kc.Cascade(cfg, kv_views=views)
+
+
+async def test_promotions_of_requests_finished_unread_free_their_primary_slots() -> None:
+    """Lookups alone (no load, no store in between), each request finished right after its
+    lookup: every lookup of a key held only by the secondary tier is a hit. The promotions of
+    the finished requests landed; their slots must become evictable at the next lookup, not
+    stay "being written" until some later load or store happens to poll."""
+    cfg = kc.CascadeConfig(
+        block_bytes=64, gpu_blocks=8, cpu_blocks=2, secondary_tiers=[{"type": "memory"}]
+    )
+    keys = [kc.make_offload_key(bytes([i]) * 8, 0) for i in range(6)]
+    async with kc.open_cascade(cfg) as cascade:
+        for i, key in enumerate(keys):
+            ctx = kc.ReqContext(f"store-{i}")
+            await cascade.store([key], ctx, [i])
+            cascade.finish_request(ctx)
+            await cascade.wait_cascades()
+        hits = []
+        for i in range(4):
+            ctx = kc.ReqContext(f"lookup-{i}")
+            found = await cascade.lookup_prefix([keys[i]], ctx)
+            hits.append(found.num_hits)
+            cascade.finish_request(ctx)
+            await asyncio.wait(cascade.coordinator.job_futures())
+        assert hits == [1, 1, 1, 1]
+        cascade.coordinator.poll_now()
+        assert cascade.primary.num_evictable == 2  # nothing left pinned or being written
