@@ -76,7 +76,7 @@ from .._validate import config_int, config_seconds
 from ._backend import Backend, Meaning, NotFoundError
 from ._block_format import HEADER_BYTES, check_block, encode_header, file_size
 from ._file_mapper import FileMapper
-from .base import SecondaryTier, gather_blocks
+from .base import PROBE_TIMEOUT_S, SecondaryTier, gather_blocks
 from .cpu import HostBuffer
 
 log = logging.getLogger(__name__)
@@ -165,6 +165,8 @@ class ValkeyTier(SecondaryTier):
         name: tier name in metrics and events (default ``"valkey"``).
         io_timeout_s: per-job deadline in seconds from submission.
         max_queued_jobs: jobs allowed to wait; stores beyond it are refused.
+        probe_timeout_s: deadline of one existence probe in seconds; past it the probe answers
+            MISS (:class:`~kvcascade.tiers.base.SecondaryTier`).
 
     Raises:
         ConfigError: a value out of range or a bad ``url`` (named, never a password).
@@ -187,6 +189,7 @@ class ValkeyTier(SecondaryTier):
         name: str = "valkey",
         io_timeout_s: float = 30.0,
         max_queued_jobs: int = 1024,
+        probe_timeout_s: float = PROBE_TIMEOUT_S,
     ) -> None:
         super().__init__(
             name,
@@ -194,6 +197,7 @@ class ValkeyTier(SecondaryTier):
             io_threads=max_concurrency,
             io_timeout_s=io_timeout_s,
             max_queued_jobs=max_queued_jobs,
+            probe_timeout_s=probe_timeout_s,
         )
         client_url = _client_url(url)
         if cluster and client_url.startswith("unix:"):
@@ -462,6 +466,7 @@ _CONFIG_KEYS = {
     "name",
     "io_timeout_s",
     "max_queued_jobs",
+    "probe_timeout_s",
 }
 
 
@@ -473,7 +478,8 @@ def valkey_tier_from_config(
     Keys: ``url`` (required), ``cluster`` (false), ``prefix`` (none), ``username`` /
     ``password`` (none), ``max_concurrency`` (16), ``connect_timeout_s`` (2), ``timeout_s`` (5),
     ``max_attempts`` (3), ``cache_salt`` (tenant salt folded into the namespace), ``name``
-    (``"valkey"``), ``io_timeout_s`` (30 s per job), ``max_queued_jobs`` (1024).
+    (``"valkey"``), ``io_timeout_s`` (30 s per job), ``max_queued_jobs`` (1024),
+    ``probe_timeout_s`` (0.25 s per existence probe).
 
     Raises:
         ConfigError: missing ``url``, an unknown key (named, never its value), a value of the
@@ -514,4 +520,5 @@ def valkey_tier_from_config(
         name=cfg.get("name") or "valkey",
         io_timeout_s=seconds("io_timeout_s", 30.0),
         max_queued_jobs=integer("max_queued_jobs", 1024),
+        probe_timeout_s=seconds("probe_timeout_s", PROBE_TIMEOUT_S),
     )
