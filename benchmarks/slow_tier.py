@@ -12,7 +12,7 @@ first new key). After each lookup the request is finished and its promotion awai
 * hung: the proxy holds every S3 answer back ``--delay`` seconds (5 by default), far beyond the
   probe deadline ``probe_timeout_s`` (default 0.25 s) and below ``io_timeout_s`` (30 s): the
   first lookups each wait one probe deadline, then the tier is degraded and its probes miss at
-  once (docs/s3-tier.md, "Slow and hung tiers").
+  once (docs/architecture.md, "Slow and hung tiers").
 
 Reported: p50 / p99 / max of the lookups of each case, in milliseconds, the ratio of the p99s
 (goal: hung ≤ 2× healthy, issue #21), and the s3 tier's counters of the hung case.

@@ -1,4 +1,5 @@
-"""A slow tier never stalls a lookup (issue #21, item 4; docs/s3-tier.md "Slow and hung tiers").
+"""A slow tier never stalls a lookup (issue #21, item 4; docs/architecture.md, "Slow and hung
+tiers").
 
 Real processes only: ``moto_server`` in its own process behind the fault proxy of
 :mod:`s3_fixtures` (asyncio streams on 127.0.0.1), whose ``delay`` fault holds every answer

@@ -35,8 +35,8 @@ mode with ``max_attempts`` attempts in all.
   tier stored, loaded or found are remembered (an LRU index) and answer ``HIT`` without a request.
   A probe error answers ``MISS`` (counted in ``counters["probe_errors"]``, the first warned); so
   does a probe past its deadline ``probe_timeout_s`` (0.25 s), and an endpoint that keeps
-  missing deadlines is *degraded* (:mod:`kvcascade.tiers._health`, docs/s3-tier.md "Slow and
-  hung tiers"): probes miss and stores are skipped at once until a background probe answers.
+  missing deadlines is *degraded* (:mod:`kvcascade.tiers._health`, docs/architecture.md "Slow
+  and hung tiers"): probes miss and stores are skipped at once until a background probe answers.
 * **Capacity** (``max_bytes``): the index (:class:`~kvcascade.tiers._capacity.CapacityIndex`)
   doubles as the LRU of the objects this tier knows; a store that would exceed the bound first
   deletes the least recently used objects (``counters["evictions"]``, one removal event per
