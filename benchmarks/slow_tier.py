@@ -6,7 +6,8 @@ blocks by a first cascade. Then, for each case, a fresh cascade (empty primary, 
 knows no key, as a new process) runs ``--lookups`` lookups one after the other, each of a
 4-key prefix: one stored key (cycling through the stored ones) followed by three keys nobody
 stored, so every lookup probes both tiers (the stored key is found, the prefix ends at the
-first new key). After each lookup the request is finished and its promotion awaited (untimed).
+first new key). After each lookup the request is finished, its promotion awaited and the
+primary emptied (``reset_cache``), all untimed.
 
 * healthy: the proxy forwards at once;
 * hung: the proxy holds every S3 answer back ``--delay`` seconds (5 by default), far beyond the
@@ -116,6 +117,7 @@ async def run_case(
             promotions = cascade.coordinator.job_futures(promotions=True)
             if promotions:
                 await asyncio.wait(promotions)
+            await cascade.coordinator.reset_cache()
         counters = dict(cascade.tiers[0].counters)
     return times, counters, sources
 
