@@ -278,7 +278,10 @@ class SecondaryTier(ABC):
 
     async def _answers_in_time(self) -> bool:
         """The background probe of a degraded tier: whether a probe of a key nobody stores
-        answered (HIT, MISS or an error) within ``probe_timeout_s``."""
+        answered (HIT, MISS or an error) within ``probe_timeout_s``; False once the tier is
+        closing (it is not probed any more)."""
+        if self._closed:
+            return False
         try:
             await self._call_blocking(self._probe, [_HEALTH_KEY], timeout_s=self.probe_timeout_s)
         except DeadlineExceededError:
