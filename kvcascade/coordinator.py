@@ -132,6 +132,9 @@ class TieringCoordinator:
         self.metrics = TieringMetrics([t.name for t in self.tiers], registry)
         self.metrics.primary_write_usage.set_function(lambda: self._primary_usage(False))
         self.metrics.primary_read_usage.set_function(lambda: self._primary_usage(True))
+        for idx, tier in enumerate(self.tiers):
+            gauge = self.metrics.tier_degraded.labels(self.metrics.tier_label(idx))
+            gauge.set_function(lambda tier=tier: float(tier.degraded))
         self.admission = CascadeAdmission(self.tiers, primary.num_blocks, self.metrics)
         self._job_counter = 0
         self._jobs: dict[int, tuple[TransferJob, int, asyncio.Future[JobResult]]] = {}

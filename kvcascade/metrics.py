@@ -42,6 +42,9 @@ class TieringMetrics:
         cascade_dropped_blocks: blocks of cascades dropped by back-pressure (never submitted).
         cascade_throughput_bytes: the tier's recent cascade finishing rate, bytes per second
             (gauge; 0 until measured).
+        tier_degraded: 1 while the tier is degraded (its probes or loads kept missing their
+            deadlines: probes miss and cascades to it are skipped; kvcascade/tiers/_health.py),
+            else 0 (gauge).
     """
 
     def __init__(
@@ -113,6 +116,12 @@ class TieringMetrics:
             ["tier"],
             registry=r,
         )
+        self.tier_degraded = Gauge(
+            "kvcascade_tier_degraded",
+            "1 while the tier is degraded (missed deadlines), else 0",
+            ["tier"],
+            registry=r,
+        )
 
     def tier_label(self, tier_idx: int | None) -> str:
         """Label of secondary tier ``tier_idx`` (None: the primary)."""
@@ -135,6 +144,7 @@ _UNLABELLED = {
 _GAUGES = {
     "cascade_queued_blocks",
     "cascade_throughput_bytes",
+    "tier_degraded",
     "active_promotion_jobs",
     "active_cascade_jobs",
     "primary_write_usage_perc",

@@ -19,14 +19,14 @@ its slot itself (under the pool's lock) instead of waiting for the loop to hand 
 busy loop never leaves threads idle; the loop still resolves every result, and the results that
 arrive while it is busy are taken by one loop callback (one wake-up for a burst).
 
-Deadlines: a call submitted with a deadline fails with :class:`DeadlineExceededError`
-``timeout_s`` seconds after submission, covering its time in the queue and on a worker. A queued
-call is dropped. A running thread cannot be killed: it is *abandoned* (its outcome is discarded
-when it returns) and replaced by a fresh thread, at most ``slots`` replacements outstanding
-(beyond that the slot stays taken until the stuck call returns); ``counters["stuck_threads"]``
-counts the abandoned calls still running. A running task is cancelled and its slot frees once
-it has unwound. Either way the call's ``on_released`` callback runs when the abandoned call has
-returned: from then on it no longer touches the rows it was given.
+Deadlines: a call submitted with a deadline fails with :class:`DeadlineExceededError` ``timeout_s``
+seconds (the pool's, or the call's own) after submission, covering its time in the queue and on a
+worker. A queued call is dropped. A running thread cannot be killed: it is *abandoned* (its outcome
+is discarded when it returns) and replaced by a fresh thread, at most ``slots`` replacements
+outstanding (beyond that the slot stays taken until the stuck call returns);
+``counters["stuck_threads"]`` counts the abandoned calls still running. A running task is cancelled
+and its slot frees once it has unwound. Either way the call's ``on_released`` callback runs when the
+abandoned call has returned: from then on it no longer touches the rows it was given.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ class Submitted:
         "started_at",
         "state",
         "task",
+        "timeout_s",
     )
 
     def __init__(
@@ -114,6 +115,7 @@ class Submitted:
         self.in_rows = False
         self.replaced = False
         self.task: asyncio.Task[None] | None = None
+        self.timeout_s = 0.0
 
     def __await__(self) -> Generator[Any, None, Any]:
         return self.future.__await__()
@@ -168,20 +170,24 @@ class WorkerPool(ABC):
         is_job: bool = True,
         on_done: Callable[[Submitted], None] | None = None,
         on_released: Callable[[], None] | None = None,
+        timeout_s: float | None = None,
     ) -> Submitted:
         """Queue ``fn(*args)``; returns its :class:`Submitted` (loop thread, after :meth:`start`).
 
-        ``deadline``: fail the call ``timeout_s`` after now. ``is_job``: count it in
-        :attr:`queued_jobs` while it waits. ``on_done``: called on the loop right after the
-        call's future is resolved (no extra loop callback: a burst of results costs one loop
-        wake-up). ``on_released``: called on the loop once a call abandoned at its deadline has
-        returned, in a later loop callback than ``on_done`` and the future's callbacks.
+        ``deadline``: fail the call ``timeout_s`` seconds after now (default: the pool's
+        ``timeout_s``; a tier's existence probes pass their shorter ``probe_timeout_s``).
+        ``is_job``: count it in :attr:`queued_jobs` while it waits. ``on_done``: called on
+        the loop right after the call's future is resolved (no extra loop callback: a burst
+        of results costs one loop wake-up). ``on_released``: called on the loop once a call
+        abandoned at its deadline has returned, in a later loop callback than ``on_done``
+        and the future's callbacks.
         """
         assert self._loop is not None
         future = self._loop.create_future()
         work = Submitted(fn, args, future, priority, is_job, on_done, on_released)
+        work.timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if deadline:
-            work.deadline = self._loop.call_later(self.timeout_s, self._expire, work)
+            work.deadline = self._loop.call_later(work.timeout_s, self._expire, work)
         with self._lock:
             (self._loads if priority is Priority.LOAD else self._stores).append(work)
             if is_job:
@@ -324,7 +330,7 @@ class WorkerPool(ABC):
         rows_in_use = False if queued else self._abandon(work)
         if rows_in_use is None:
             return
-        message = f"deadline of {self.timeout_s:g} s passed"
+        message = f"deadline of {work.timeout_s:g} s passed"
         self._fail(work, DeadlineExceededError(message, rows_in_use=rows_in_use))
 
     def _returned(self, work: Submitted) -> None:
@@ -371,6 +377,7 @@ class ThreadPool(WorkerPool):
         is_job: bool = True,
         on_done: Callable[[Submitted], None] | None = None,
         on_released: Callable[[], None] | None = None,
+        timeout_s: float | None = None,
     ) -> Submitted:
         """As :meth:`WorkerPool.submit`.
 
@@ -379,7 +386,7 @@ class ThreadPool(WorkerPool):
         """
         if inspect.iscoroutinefunction(fn):
             raise TypeError(f"tier {self.name!r}: {fn!r} is a coroutine function, not blocking")
-        return super().submit(fn, args, priority, deadline, is_job, on_done, on_released)
+        return super().submit(fn, args, priority, deadline, is_job, on_done, on_released, timeout_s)
 
     @contextlib.contextmanager
     def row_access(self) -> Iterator[None]:

@@ -15,7 +15,8 @@ What the framework guarantees a tier:
   primary rows to read or fill (:meth:`~SecondaryTier._rows`), pinned or reserved by the
   coordinator until the job's result is collected; at most ``io_threads`` movers run at once,
   loads preferred over stores (:class:`~kvcascade.tiers._pool.WorkerPool`);
-* a job passing its deadline (``io_timeout_s`` from submission) fails without waiting for its
+* a job passing its deadline (``io_timeout_s`` from submission; an existence probe's is the
+  shorter ``probe_timeout_s``, after which it answers MISS) fails without waiting for its
   mover, whose late outcome is then discarded; a mover that was inside
   :meth:`~SecondaryTier._row_access` keeps its rows out of use until it returns;
 * blocking movers run on the tier's daemon I/O threads; coroutine movers (all of them, a native
@@ -23,6 +24,9 @@ What the framework guarantees a tier:
   else a tier implements (:meth:`~SecondaryTier._rows`, :meth:`~SecondaryTier._stored_event_keys`,
   :meth:`~SecondaryTier.touch`, :meth:`~SecondaryTier._startup`,
   :meth:`~SecondaryTier._cleanup`) runs on the event-loop thread;
+* a tier whose probes or loads keep missing their deadlines is *degraded*: probes answer MISS
+  at once and cascades to it are skipped until a background probe answers in time
+  (:mod:`kvcascade.tiers._health`);
 * :meth:`~SecondaryTier._startup` runs before the tier reports ready,
   :meth:`~SecondaryTier._cleanup` after its last job ended (also when the start-up failed);
 * every job completes exactly once: its future resolves with a :class:`JobResult`, the same
@@ -66,6 +70,7 @@ from .._errors import (
     TierUnavailableError,
     TransferError,
 )
+from .._keys import make_offload_key
 from .._types import (
     JobResult,
     LookupResult,
@@ -76,6 +81,7 @@ from .._types import (
     ScheduleEndContext,
     TransferJob,
 )
+from ._health import DeadlineHealth
 from ._lookup import AsyncLookup
 from ._pool import Priority, Submitted, TaskPool, ThreadPool, WorkerPool
 from .cpu import HostBuffer
@@ -84,6 +90,10 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _MOVERS = ("_store_blocks", "_load_blocks", "_probe")
+PROBE_TIMEOUT_S = 0.25
+"""Default deadline of one existence probe, seconds (``probe_timeout_s`` of every tier)."""
+_HEALTH_KEY = make_offload_key(b"kvcascade health probe", 0)
+"""The key a degraded tier's background probe asks for (never stored: any answer will do)."""
 
 
 class SecondaryTier(ABC):
@@ -99,6 +109,9 @@ class SecondaryTier(ABC):
         host: the primary tier's buffer; jobs address its rows by slot id.
         io_threads: I/O threads (``>= 1``); for a native asyncio tier, jobs running at once.
         io_timeout_s: deadline of one job in seconds from submission (``> 0``).
+        probe_timeout_s: deadline of one existence probe (a batch of keys) in seconds from
+            submission (``> 0``); a probe past it answers MISS and counts towards degradation
+            (:mod:`kvcascade.tiers._health`).
         max_queued_jobs: jobs allowed to wait for a thread (``>= 1``); a store beyond it is
             refused at once with a failed result (``counters["store_rejected"]``). Loads are
             always admitted (each holds a reserved primary slot, which bounds them).
@@ -117,11 +130,13 @@ class SecondaryTier(ABC):
         io_threads: int = 4,
         io_timeout_s: float = 30.0,
         max_queued_jobs: int = 1024,
+        probe_timeout_s: float = PROBE_TIMEOUT_S,
     ) -> None:
-        if io_threads < 1 or max_queued_jobs < 1 or not io_timeout_s > 0:
+        if io_threads < 1 or max_queued_jobs < 1 or not io_timeout_s > 0 or not probe_timeout_s > 0:
             raise ValueError(
-                f"tier {name!r}: need io_threads >= 1, io_timeout_s > 0, max_queued_jobs >= 1; "
-                f"got {io_threads}, {io_timeout_s}, {max_queued_jobs}"
+                f"tier {name!r}: need io_threads >= 1, io_timeout_s > 0, max_queued_jobs >= 1, "
+                f"probe_timeout_s > 0; got {io_threads}, {io_timeout_s}, {max_queued_jobs}, "
+                f"{probe_timeout_s}"
             )
         native = [inspect.iscoroutinefunction(getattr(self, m)) for m in _MOVERS]
         if any(native) and not all(native):
@@ -133,6 +148,7 @@ class SecondaryTier(ABC):
         self.host = host
         self.io_threads = io_threads
         self.io_timeout_s = io_timeout_s
+        self.probe_timeout_s = probe_timeout_s
         self.max_queued_jobs = max_queued_jobs
         self._native = all(native)
         self._pool: WorkerPool | None = None
@@ -146,6 +162,7 @@ class SecondaryTier(ABC):
         self._lookup = AsyncLookup(self)
         self.counters: collections.Counter[str] = collections.Counter()
         self._counters_lock = threading.Lock()  # counts made on I/O threads
+        self._health = DeadlineHealth(name, self.counters, self._answers_in_time)
 
     # -- what a tier implements -------------------------------------------------------------
     @abstractmethod
@@ -234,18 +251,44 @@ class SecondaryTier(ABC):
         return delete()
 
     async def _call_blocking(
-        self, fn: Callable[..., Any], *args: Any, deadline: bool = True
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        deadline: bool = True,
+        timeout_s: float | None = None,
     ) -> Any:
         """Run ``fn(*args)`` on the tier's pool (load priority); its exception propagates.
 
         Raises:
             TierUnavailableError: the tier is not running, or closed before the call ran.
             DeadlineExceededError: ``deadline`` and the call did not return within
-                ``io_timeout_s``.
+                ``timeout_s`` (default ``io_timeout_s``).
         """
         self._check_running()
         assert self._pool is not None
-        return await self._pool.submit(fn, args, Priority.LOAD, deadline=deadline, is_job=False)
+        return await self._pool.submit(
+            fn, args, Priority.LOAD, deadline=deadline, is_job=False, timeout_s=timeout_s
+        )
+
+    @property
+    def degraded(self) -> bool:
+        """True while the tier is degraded: its probes or loads kept missing their deadlines
+        and no background probe has answered in time since (:mod:`kvcascade.tiers._health`)."""
+        return self._health.degraded
+
+    async def _answers_in_time(self) -> bool:
+        """The background probe of a degraded tier: whether a probe of a key nobody stores
+        answered (HIT, MISS or an error) within ``probe_timeout_s``; False once the tier is
+        closing (it is not probed any more)."""
+        if self._closed:
+            return False
+        try:
+            await self._call_blocking(self._probe, [_HEALTH_KEY], timeout_s=self.probe_timeout_s)
+        except DeadlineExceededError:
+            return False
+        except (OSError, KVCascadeError):
+            pass
+        return True
 
     # -- lifecycle ------------------------------------------------------------------------
     async def serve(self, started: Callable[[], None] | None = None) -> None:
@@ -267,6 +310,7 @@ class SecondaryTier(ABC):
                 await self._wake.wait()
         finally:
             self._closed = True
+            await self._health.stop()
             await pool.shutdown()
             await self._cleanup()
 
@@ -293,7 +337,8 @@ class SecondaryTier(ABC):
         """Queue a cascade (primary rows ``job.block_ids`` → this tier); returns its future.
 
         The rows stay pinned by the coordinator until the job's result is collected. A full
-        queue answers at once with a failed result.
+        queue, or a degraded tier (:attr:`degraded`: the cascade is skipped,
+        ``counters["degraded_skipped_blocks"]``), answers at once with a failed result.
 
         Raises:
             TierUnavailableError: the tier is not running.
@@ -339,17 +384,38 @@ class SecondaryTier(ABC):
         return out
 
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """Probe the existence of ``keys`` now (for asyncio callers), as a load-priority call.
+        """Probe the existence of ``keys`` now (for asyncio callers), as a load-priority call
+        with the deadline ``probe_timeout_s``.
 
-        A probe that fails or passes its deadline answers MISS for every key.
+        A probe that fails or passes its deadline answers MISS for every key (failures
+        counted in ``counters["probe_failures"]``, the first warned, later ones logged at debug
+        level); a degraded tier (:attr:`degraded`) answers MISS without a request
+        (``counters["degraded_probes"]``).
         """
         if not keys:
             return []
-        try:
-            return await self._call_blocking(self._probe, list(keys))
-        except (TimeoutError, OSError, TierUnavailableError) as exc:
-            log.warning("tier %s: probe failed (%s); answering MISS", self.name, exc)
+        if self._health.degraded:
+            self.counters["degraded_probes"] += len(keys)
             return [False] * len(keys)
+        try:
+            found: list[bool] = await self._call_blocking(
+                self._probe, list(keys), timeout_s=self.probe_timeout_s
+            )
+        except DeadlineExceededError:
+            self._health.missed("probe", self.probe_timeout_s)
+            return [False] * len(keys)
+        except (TimeoutError, OSError, TierUnavailableError) as exc:
+            self.counters["probe_failures"] += 1
+            log.log(
+                logging.WARNING if self.counters["probe_failures"] == 1 else logging.DEBUG,
+                "tier %s: probe failed (%s); answering MISS (probe_failures so far: %d)",
+                self.name,
+                exc,
+                self.counters["probe_failures"],
+            )
+            return [False] * len(keys)
+        self._health.answered()
+        return found
 
     async def invalidate(self, keys: Sequence[bytes]) -> int:
         """Delete ``keys``' blocks from this tier now (an operator's or embedder's removal of
@@ -390,6 +456,11 @@ class SecondaryTier(ABC):
             reason = f"queue full ({self.max_queued_jobs} jobs waiting)"
             self._finish_job(job, fut, JobResult(job.job_id, False, error=reason))
             return fut
+        if not job.is_promotion and self._health.degraded:
+            self.counters["degraded_skipped_blocks"] += len(job.keys)
+            reason = "tier degraded (calls missed their deadlines); cascade skipped"
+            self._finish_job(job, fut, JobResult(job.job_id, False, error=reason))
+            return fut
         try:
             rows = self._rows(job.block_ids)
         except IndexError as exc:
@@ -412,6 +483,11 @@ class SecondaryTier(ABC):
         """Turn a job's outcome on the pool into its :class:`JobResult`."""
         error = work.future.exception()
         elapsed = time.perf_counter() - work.started_at
+        if job.is_promotion:
+            if isinstance(error, DeadlineExceededError):
+                self._health.missed("load", self.io_timeout_s)
+            elif error is None or isinstance(error, TransferError):
+                self._health.answered()
         if error is None:
             size = work.future.result()
             result = JobResult(job.job_id, True, transfer_size=size, transfer_time=elapsed)

@@ -96,7 +96,7 @@ from ._block_format import (
 )
 from ._capacity import CapacityIndex
 from ._file_mapper import FileMapper
-from .base import SecondaryTier
+from .base import PROBE_TIMEOUT_S, SecondaryTier
 from .cpu import PAGE_SIZE, HostBuffer, round_up
 
 log = logging.getLogger(__name__)
@@ -180,6 +180,8 @@ class FileSystemTier(SecondaryTier):
         io_threads: I/O threads (half prefer loads, half stores).
         io_timeout_s: per-job deadline in seconds from submission.
         max_queued_jobs: jobs allowed to wait for a thread; stores beyond it are refused.
+        probe_timeout_s: deadline of one existence probe in seconds; past it the probe answers
+            MISS (:class:`~kvcascade.tiers.base.SecondaryTier`).
         max_bytes: bound on the bytes of block files; None = unbounded.
         o_direct: try O_DIRECT (probed once); False forces buffered I/O.
         compiled_io: use the compiled batch helpers once the extension is loaded (module
@@ -209,6 +211,7 @@ class FileSystemTier(SecondaryTier):
         o_direct: bool = True,
         compiled_io: bool = True,
         auth: BlockAuth | None = None,
+        probe_timeout_s: float = PROBE_TIMEOUT_S,
     ) -> None:
         super().__init__(
             name,
@@ -216,6 +219,7 @@ class FileSystemTier(SecondaryTier):
             io_threads=io_threads,
             io_timeout_s=io_timeout_s,
             max_queued_jobs=max_queued_jobs,
+            probe_timeout_s=probe_timeout_s,
         )
         if max_bytes is not None and max_bytes <= 0:
             raise ConfigError(f"fs tier max_bytes must be > 0, got {max_bytes}")
@@ -889,6 +893,7 @@ _CONFIG_KEYS = {
     "io_threads",
     "io_timeout_s",
     "max_queued_jobs",
+    "probe_timeout_s",
     "cache_salt",
     "name",
     "n_read_threads",
@@ -904,10 +909,11 @@ def fs_tier_from_config(
 
     Keys: ``root_dir`` (required), ``max_bytes`` (bytes of block files; default unbounded),
     ``io_threads`` (default 4), ``io_timeout_s`` (seconds, default 30), ``max_queued_jobs``
-    (default 1024), ``cache_salt`` (tenant salt folded into the namespace), ``name`` (default
-    ``"fs"``), ``auth_secret_env`` or ``auth_secret_file`` (the environment variable or file
-    holding the secret of authenticated blocks, :func:`~kvcascade.tiers._block_format.block_auth`;
-    default none). vLLM's ``n_read_threads`` + ``n_write_threads`` are accepted and summed into
+    (default 1024), ``probe_timeout_s`` (seconds per existence probe, default 0.25),
+    ``cache_salt`` (tenant salt folded into the namespace), ``name`` (default ``"fs"``),
+    ``auth_secret_env`` or ``auth_secret_file`` (the environment variable or file holding the
+    secret of authenticated blocks, :func:`~kvcascade.tiers._block_format.block_auth`; default
+    none). vLLM's ``n_read_threads`` + ``n_write_threads`` are accepted and summed into
     ``io_threads`` when that is absent.
 
     Raises:
@@ -965,5 +971,6 @@ def check_fs_tier_config(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any
         "io_threads": threads,
         "io_timeout_s": timeout,
         "max_queued_jobs": integer("max_queued_jobs", 1024),
+        "probe_timeout_s": config_seconds(cfg, "probe_timeout_s", PROBE_TIMEOUT_S, "fs tier"),
         "max_bytes": max_bytes,
     }

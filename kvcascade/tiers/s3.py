@@ -39,7 +39,11 @@ mode with ``max_attempts`` attempts in all.
   A corrupt object is deleted and counted (``counters["corrupt_blocks"]``).
 * **Lookup**: vLLM's async lookup (``tiering/async_lookup.py``) over concurrent ``HeadObject``
   requests; keys this tier stored, loaded or found are remembered (an LRU index) and answer
-  ``HIT`` without a request. A probe error answers ``MISS``.
+  ``HIT`` without a request. A probe error answers ``MISS`` (counted in
+  ``counters["probe_errors"]``, the first warned); so does a probe past its deadline
+  ``probe_timeout_s`` (0.25 s), and an endpoint that keeps missing deadlines is *degraded*
+  (:mod:`kvcascade.tiers._health`, docs/architecture.md "Slow and hung tiers"): probes miss and
+  stores are skipped at once until a background probe answers.
 * **Capacity** (``max_bytes``): the index (:class:`~kvcascade.tiers._capacity.CapacityIndex`)
   doubles as the LRU of the objects this tier knows; a store that would exceed the bound first
   deletes the least recently used objects (``counters["evictions"]``, one removal event per
@@ -109,7 +113,7 @@ from ._block_format import (
 )
 from ._capacity import CapacityIndex
 from ._file_mapper import FileMapper
-from .base import SecondaryTier, gather_blocks
+from .base import PROBE_TIMEOUT_S, SecondaryTier, gather_blocks
 from .cpu import HostBuffer
 
 log = logging.getLogger(__name__)
@@ -313,6 +317,8 @@ class S3Tier(SecondaryTier):
         max_queued_jobs: jobs allowed to wait; stores beyond it are refused.
         auth: authenticate blocks (:class:`~kvcascade.tiers._block_format.BlockAuth`, docs/
             fs-tier.md "Authenticated blocks"); None = checksums only.
+        probe_timeout_s: deadline of one existence probe in seconds; past it the probe answers
+            MISS (:class:`~kvcascade.tiers.base.SecondaryTier`).
 
     Raises:
         ConfigError: a value out of range (named, with the value).
@@ -340,6 +346,7 @@ class S3Tier(SecondaryTier):
         io_timeout_s: float = 30.0,
         max_queued_jobs: int = 1024,
         auth: BlockAuth | None = None,
+        probe_timeout_s: float = PROBE_TIMEOUT_S,
     ) -> None:
         super().__init__(
             name,
@@ -347,6 +354,7 @@ class S3Tier(SecondaryTier):
             io_threads=max_concurrency,
             io_timeout_s=io_timeout_s,
             max_queued_jobs=max_queued_jobs,
+            probe_timeout_s=probe_timeout_s,
         )
         if not bucket:
             raise ConfigError("s3 tier needs a bucket")
@@ -735,13 +743,17 @@ class S3Tier(SecondaryTier):
         if errors:
             if not isinstance(errors[0], KVCascadeError):
                 raise errors[0]
+            first = not self.counters["probe_errors"]
             self.counters["probe_errors"] += len(errors)
-            log.warning(
-                "s3 tier %s: %d of %d existence probes failed (%s); answering MISS",
+            log.log(
+                logging.WARNING if first else logging.DEBUG,
+                "s3 tier %s: %d of %d existence probes failed (%s); answering MISS "
+                "(probe_errors so far: %d)",
                 self.name,
                 len(errors),
                 len(keys),
                 errors[0],
+                self.counters["probe_errors"],
             )
         return [a is True for a in answers]
 
@@ -779,6 +791,7 @@ _CONFIG_KEYS = {
     "io_timeout_s",
     "max_queued_jobs",
     *SECRET_KEYS,
+    "probe_timeout_s",
 }
 _SECRET_KEYS = ("access_key", "secret_key", "session_token")
 
@@ -793,8 +806,9 @@ def s3_tier_from_config(host: HostBuffer, mapper: FileMapper, cfg: dict[str, Any
     ``max_bytes`` (unbounded), ``orphan_upload_age_s`` (3600: incomplete multipart uploads of the
     namespace older than this are aborted at start-up; 0: all of them), ``cache_salt`` (tenant
     salt folded into the namespace), ``name``
-    (``"s3"``), ``io_timeout_s`` (30 s per job), ``max_queued_jobs`` (1024), ``auth_secret_env``
-    or ``auth_secret_file`` (secret of authenticated blocks,
+    (``"s3"``), ``io_timeout_s`` (30 s per job), ``max_queued_jobs`` (1024),
+    ``probe_timeout_s`` (0.25 s per existence probe), ``auth_secret_env`` or
+    ``auth_secret_file`` (secret of authenticated blocks,
     :func:`~kvcascade.tiers._block_format.block_auth`; default none).
 
     Raises:
@@ -854,4 +868,5 @@ def s3_tier_from_config(host: HostBuffer, mapper: FileMapper, cfg: dict[str, Any
         io_timeout_s=seconds("io_timeout_s", 30.0),
         max_queued_jobs=integer("max_queued_jobs", 1024),
         auth=auth,
+        probe_timeout_s=seconds("probe_timeout_s", PROBE_TIMEOUT_S),
     )

@@ -84,7 +84,7 @@ from ._block_format import (
     file_size,
 )
 from ._file_mapper import FileMapper
-from .base import SecondaryTier, gather_blocks
+from .base import PROBE_TIMEOUT_S, SecondaryTier, gather_blocks
 from .cpu import HostBuffer
 
 log = logging.getLogger(__name__)
@@ -175,6 +175,8 @@ class ValkeyTier(SecondaryTier):
         max_queued_jobs: jobs allowed to wait; stores beyond it are refused.
         auth: authenticate blocks (:class:`~kvcascade.tiers._block_format.BlockAuth`, docs/
             fs-tier.md "Authenticated blocks"); None = checksums only.
+        probe_timeout_s: deadline of one existence probe in seconds; past it the probe answers
+            MISS (:class:`~kvcascade.tiers.base.SecondaryTier`).
 
     Raises:
         ConfigError: a value out of range or a bad ``url`` (named, never a password).
@@ -198,6 +200,7 @@ class ValkeyTier(SecondaryTier):
         io_timeout_s: float = 30.0,
         max_queued_jobs: int = 1024,
         auth: BlockAuth | None = None,
+        probe_timeout_s: float = PROBE_TIMEOUT_S,
     ) -> None:
         super().__init__(
             name,
@@ -205,6 +208,7 @@ class ValkeyTier(SecondaryTier):
             io_threads=max_concurrency,
             io_timeout_s=io_timeout_s,
             max_queued_jobs=max_queued_jobs,
+            probe_timeout_s=probe_timeout_s,
         )
         client_url = _client_url(url)
         if cluster and client_url.startswith("unix:"):
@@ -475,6 +479,7 @@ _CONFIG_KEYS = {
     "io_timeout_s",
     "max_queued_jobs",
     *SECRET_KEYS,
+    "probe_timeout_s",
 }
 
 
@@ -487,7 +492,8 @@ def valkey_tier_from_config(
     ``password`` (none), ``max_concurrency`` (16), ``connect_timeout_s`` (2), ``timeout_s`` (5),
     ``max_attempts`` (3), ``cache_salt`` (tenant salt folded into the namespace), ``name``
     (``"valkey"``), ``io_timeout_s`` (30 s per job), ``max_queued_jobs`` (1024),
-    ``auth_secret_env`` or ``auth_secret_file`` (secret of authenticated blocks,
+    ``probe_timeout_s`` (0.25 s per existence probe), ``auth_secret_env`` or
+    ``auth_secret_file`` (secret of authenticated blocks,
     :func:`~kvcascade.tiers._block_format.block_auth`; default none).
 
     Raises:
@@ -532,4 +538,5 @@ def valkey_tier_from_config(
         io_timeout_s=seconds("io_timeout_s", 30.0),
         max_queued_jobs=integer("max_queued_jobs", 1024),
         auth=auth,
+        probe_timeout_s=seconds("probe_timeout_s", PROBE_TIMEOUT_S),
     )
