@@ -61,6 +61,9 @@ def tier_config(endpoint: str, bucket: str, **kw: Any) -> dict[str, Any]:
         "access_key": ACCESS_KEY,
         "secret_key": SECRET_KEY,
         "addressing_style": "path",
+        # moto on a busy 2-core machine sometimes answers a HEAD after the 0.5 s default; the
+        # probe deadline has its own tests (tests/test_slow_tier.py)
+        "probe_timeout_s": 5.0,
         **kw,
     }
 

@@ -33,7 +33,7 @@ moto = s3_fixtures.moto  # the session's moto_server process
 bucket = s3_fixtures.bucket  # a fresh bucket on it
 
 IO_TIMEOUT_S = 30.0
-PROBE_TIMEOUT_S = 1.0  # above the default 0.25 s: an in-time answer of a loaded machine's moto
+PROBE_TIMEOUT_S = 1.0  # above the default 0.5 s: an in-time answer of a loaded machine's moto
 DELAY_S = 5.0
 N = 4
 

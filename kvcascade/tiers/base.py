@@ -90,7 +90,7 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _MOVERS = ("_store_blocks", "_load_blocks", "_probe")
-PROBE_TIMEOUT_S = 0.25
+PROBE_TIMEOUT_S = 0.5
 """Default deadline of one existence probe, seconds (``probe_timeout_s`` of every tier)."""
 _HEALTH_KEY = make_offload_key(b"kvcascade health probe", 0)
 """The key a degraded tier's background probe asks for (never stored: any answer will do)."""

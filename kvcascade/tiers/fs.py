@@ -96,10 +96,15 @@ from ._block_format import (
 )
 from ._capacity import CapacityIndex
 from ._file_mapper import FileMapper
-from .base import PROBE_TIMEOUT_S, SecondaryTier
+from .base import SecondaryTier
 from .cpu import PAGE_SIZE, HostBuffer, round_up
 
 log = logging.getLogger(__name__)
+
+FS_PROBE_TIMEOUT_S = 2.0
+"""Default ``probe_timeout_s`` of an fs tier, seconds: a probe is a ``stat`` queued behind the
+tier's writes, so a busy local disk must not read as hung; a hung mount still misses it. (The
+network tiers use :data:`kvcascade.tiers.base.PROBE_TIMEOUT_S`.)"""
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _TMPFS_MAGIC = 0x01021994
@@ -211,7 +216,7 @@ class FileSystemTier(SecondaryTier):
         o_direct: bool = True,
         compiled_io: bool = True,
         auth: BlockAuth | None = None,
-        probe_timeout_s: float = PROBE_TIMEOUT_S,
+        probe_timeout_s: float = FS_PROBE_TIMEOUT_S,
     ) -> None:
         super().__init__(
             name,
@@ -909,7 +914,7 @@ def fs_tier_from_config(
 
     Keys: ``root_dir`` (required), ``max_bytes`` (bytes of block files; default unbounded),
     ``io_threads`` (default 4), ``io_timeout_s`` (seconds, default 30), ``max_queued_jobs``
-    (default 1024), ``probe_timeout_s`` (seconds per existence probe, default 0.25),
+    (default 1024), ``probe_timeout_s`` (seconds per existence probe, default 2),
     ``cache_salt`` (tenant salt folded into the namespace), ``name`` (default ``"fs"``),
     ``auth_secret_env`` or ``auth_secret_file`` (the environment variable or file holding the
     secret of authenticated blocks, :func:`~kvcascade.tiers._block_format.block_auth`; default
@@ -971,6 +976,6 @@ def check_fs_tier_config(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any
         "io_threads": threads,
         "io_timeout_s": timeout,
         "max_queued_jobs": integer("max_queued_jobs", 1024),
-        "probe_timeout_s": config_seconds(cfg, "probe_timeout_s", PROBE_TIMEOUT_S, "fs tier"),
+        "probe_timeout_s": config_seconds(cfg, "probe_timeout_s", FS_PROBE_TIMEOUT_S, "fs tier"),
         "max_bytes": max_bytes,
     }

@@ -41,7 +41,7 @@ mode with ``max_attempts`` attempts in all.
   requests; keys this tier stored, loaded or found are remembered (an LRU index) and answer
   ``HIT`` without a request. A probe error answers ``MISS`` (counted in
   ``counters["probe_errors"]``, the first warned); so does a probe past its deadline
-  ``probe_timeout_s`` (0.25 s), and an endpoint that keeps missing deadlines is *degraded*
+  ``probe_timeout_s`` (0.5 s), and an endpoint that keeps missing deadlines is *degraded*
   (:mod:`kvcascade.tiers._health`, docs/architecture.md "Slow and hung tiers"): probes miss and
   stores are skipped at once until a background probe answers.
 * **Capacity** (``max_bytes``): the index (:class:`~kvcascade.tiers._capacity.CapacityIndex`)
@@ -248,6 +248,18 @@ def _display_endpoint(endpoint_url: str | None, region: str | None) -> str:
     return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
+def _load_s3_models(session: aiobotocore.session.AioSession) -> None:
+    """Load the botocore data ``create_client("s3")`` reads (the loader caches it per session):
+    the S3 service model and endpoint rules, the endpoint and partition tables, the SDK
+    defaults."""
+    loader = session.get_component("data_loader")
+    for kind in ("service-2", "endpoint-rule-set-1"):
+        loader.load_service_model("s3", kind)
+    for name in ("endpoints", "partitions", "sdk-default-configuration"):
+        loader.load_data(name)
+    session.get_component("endpoint_resolver")
+
+
 def _error_code(exc: BaseException) -> str:
     """The S3 error code of a ``ClientError``, else the exception's type name."""
     if isinstance(exc, ClientError):
@@ -437,6 +449,9 @@ class S3Tier(SecondaryTier):
                 error code (or the error's type).
         """
         session = aiobotocore.session.get_session()
+        # create_client reads botocore's JSON models synchronously (~0.1 s, seconds on a busy
+        # machine); read them on a thread first, so the loop only finds them cached.
+        await asyncio.to_thread(_load_s3_models, session)
         kwargs = self._credentials.client_kwargs() if self._credentials else {}
         self._client = await self._stack.enter_async_context(
             session.create_client(
@@ -807,7 +822,7 @@ def s3_tier_from_config(host: HostBuffer, mapper: FileMapper, cfg: dict[str, Any
     namespace older than this are aborted at start-up; 0: all of them), ``cache_salt`` (tenant
     salt folded into the namespace), ``name``
     (``"s3"``), ``io_timeout_s`` (30 s per job), ``max_queued_jobs`` (1024),
-    ``probe_timeout_s`` (0.25 s per existence probe), ``auth_secret_env`` or
+    ``probe_timeout_s`` (0.5 s per existence probe), ``auth_secret_env`` or
     ``auth_secret_file`` (secret of authenticated blocks,
     :func:`~kvcascade.tiers._block_format.block_auth`; default none).
 

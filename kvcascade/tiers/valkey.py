@@ -492,7 +492,7 @@ def valkey_tier_from_config(
     ``password`` (none), ``max_concurrency`` (16), ``connect_timeout_s`` (2), ``timeout_s`` (5),
     ``max_attempts`` (3), ``cache_salt`` (tenant salt folded into the namespace), ``name``
     (``"valkey"``), ``io_timeout_s`` (30 s per job), ``max_queued_jobs`` (1024),
-    ``probe_timeout_s`` (0.25 s per existence probe), ``auth_secret_env`` or
+    ``probe_timeout_s`` (0.5 s per existence probe), ``auth_secret_env`` or
     ``auth_secret_file`` (secret of authenticated blocks,
     :func:`~kvcascade.tiers._block_format.block_auth`; default none).
 
