@@ -257,10 +257,16 @@ def region_mappers(server: Server, engine_id: str) -> int:
     """Processes of the server's tree that map the primary tier's /dev/shm region (its file is
     unlinked once every participant mapped it, ``docs/cpu-tier.md``)."""
     path = f"/dev/shm/kvcascade_{engine_id}.mmap"
-    return sum(
-        any(m.path.startswith(path) for m in psutil.Process(pid).memory_maps())
-        for pid in server.tree
-    )
+    return sum(_maps(pid, path) for pid in server.tree)
+
+
+def _maps(pid: int, path: str) -> bool:
+    """Whether process ``pid`` maps a file under ``path``; False for one that has exited (the
+    tree holds short-lived helpers too, e.g. the compiler of a first start's kernel build)."""
+    try:
+        return any(m.path.startswith(path) for m in psutil.Process(pid).memory_maps())
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.fixture(scope="module")
