@@ -279,6 +279,9 @@ def test_interrupted_replay_removes_its_temporary_fs_tier(
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
+        proc.wait()  # reaped: no "still running" warning in a later test
+        if proc.stderr is not None:
+            proc.stderr.close()
     assert proc.returncode == 130, err
     assert "kvcascade: interrupted" in err
     assert list(tmp_path.iterdir()) == []

@@ -467,7 +467,11 @@ def _purge(args: argparse.Namespace) -> int:
 
 
 def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+    # Unwind exactly as Ctrl-C does: inside asyncio.run its SIGINT handler cancels the main
+    # task (the cascade's shutdown then runs from a clean cancellation); elsewhere Python's
+    # handler raises KeyboardInterrupt. (A KeyboardInterrupt raised here, anywhere on the loop,
+    # could leave a SIGHUP'd replay stuck in its shutdown on a busy machine.)
+    signal.raise_signal(signal.SIGINT)
 
 
 def main(argv: list[str] | None = None) -> int:
