@@ -467,11 +467,7 @@ def _purge(args: argparse.Namespace) -> int:
 
 
 def _interrupt(signum: int, frame: object) -> None:
-    # Unwind exactly as Ctrl-C does: inside asyncio.run its SIGINT handler cancels the main
-    # task (the cascade's shutdown then runs from a clean cancellation); elsewhere Python's
-    # handler raises KeyboardInterrupt. (A KeyboardInterrupt raised here, anywhere on the loop,
-    # could leave a SIGHUP'd replay stuck in its shutdown on a busy machine.)
-    signal.raise_signal(signal.SIGINT)
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv: list[str] | None = None) -> int:
