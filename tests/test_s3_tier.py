@@ -795,6 +795,10 @@ _SHARE_SCRIPT = textwrap.dedent(
 )
 
 
+# Open finding of the loop guard (tests/conftest.py): in whole-suite runs on a busy 2-core machine
+# a step of this test's S3 tier actor held the loop over 1 s (three runs of three); alone it stays
+# under. The cause (aiobotocore client set-up or teardown on the loop) is not established.
+@pytest.mark.blocks_loop
 async def test_two_processes_share_blocks_unless_namespace_or_salt_differ(
     moto: MotoServer, bucket: str, tmp_path: Path
 ) -> None:
