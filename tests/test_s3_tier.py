@@ -720,6 +720,7 @@ def replay_config(s3: dict[str, Any], fs_dir: Path) -> kc.CascadeConfig:
     )
 
 
+@pytest.mark.blocks_loop  # the replay's simulated engine verifies and "prefills" on the loop
 async def test_server_killed_and_restarted_during_a_replay(
     killable: MotoServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
