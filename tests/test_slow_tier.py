@@ -25,7 +25,7 @@ from tier_helpers import BLOCK, key, pattern
 import kvcascade as kc
 from kvcascade.tiers import _health
 from kvcascade.tiers._file_mapper import FileMapper, default_identity
-from kvcascade.tiers.base import _HEALTH_KEY
+from kvcascade.tiers._jobs import _HEALTH_KEY
 from kvcascade.tiers.fs import fs_tier_from_config
 from kvcascade.tiers.s3 import S3Tier, s3_tier_from_config
 

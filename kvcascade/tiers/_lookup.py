@@ -59,7 +59,7 @@ class AsyncLookup:
         if not self._batch:
             return
         batch, self._batch = self._batch, []
-        loop = self._tier._loop
+        loop = self._tier._jobs.loop
         if loop is None:  # the tier's actor is not running: nothing can be probed
             self.mark_miss(batch)
             return

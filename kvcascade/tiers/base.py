@@ -4,9 +4,10 @@ A secondary tier is an asyncio actor behind a synchronous façade. The coordinat
 through non-blocking calls — :meth:`~SecondaryTier.lookup`, :meth:`~SecondaryTier.submit_store`,
 :meth:`~SecondaryTier.submit_load`, :meth:`~SecondaryTier.get_finished_jobs` — that only queue
 work or read what finished (vLLM's ``SecondaryTierManager``); asyncio callers await the futures
-instead. vLLM splits the rest the same way: the worker pool is ``fs/thread_pool.py``
-(:mod:`kvcascade.tiers._pool` here), the batched probes ``async_lookup.py``
-(:mod:`kvcascade.tiers._lookup`).
+instead. The façade delegates to the job machinery the tier composes (submission, deadlines,
+exactly-once completion, events: :mod:`kvcascade.tiers._jobs`). vLLM splits the rest the same
+way: the worker pool is ``fs/thread_pool.py`` (:mod:`kvcascade.tiers._pool` here), the batched
+probes ``async_lookup.py`` (:mod:`kvcascade.tiers._lookup`).
 
 What the framework guarantees a tier:
 
@@ -37,7 +38,8 @@ What the framework guarantees a tier:
 What a tier owes the framework:
 
 * a store skips keys it knows to be present (a store hit moves no bytes) and stays within the
-  tier's capacity (evicting first, announcing the evicted keys as removed);
+  tier's capacity (evicting first, announcing the evicted keys as removed:
+  :meth:`~SecondaryTier._announce_removed`);
 * a store moves every block it can and, if any failed, raises :class:`TransferError` with
   exactly the keys stored; a load stops at its first failing block (a prefix is useless after
   its first gap) and raises :class:`TransferError` with the keys before it; a block that fails
@@ -54,23 +56,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
-import inspect
 import logging
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, ClassVar, TypeVar
 
-from .._errors import (
-    CorruptBlockError,
-    DeadlineExceededError,
-    KVCascadeError,
-    TierUnavailableError,
-    TransferError,
-)
-from .._keys import make_offload_key
+from .._errors import CorruptBlockError, KVCascadeError, TransferError
 from .._types import (
     JobResult,
     LookupResult,
@@ -81,19 +74,15 @@ from .._types import (
     ScheduleEndContext,
     TransferJob,
 )
-from ._health import DeadlineHealth
+from ._jobs import TierJobs
 from ._lookup import AsyncLookup
-from ._pool import Priority, Submitted, TaskPool, ThreadPool, WorkerPool
 from .cpu import HostBuffer
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-_MOVERS = ("_store_blocks", "_load_blocks", "_probe")
 PROBE_TIMEOUT_S = 0.5
 """Default deadline of one existence probe, seconds (``probe_timeout_s`` of every tier)."""
-_HEALTH_KEY = make_offload_key(b"kvcascade health probe", 0)
-"""The key a degraded tier's background probe asks for (never stored: any answer will do)."""
 
 
 class SecondaryTier(ABC):
@@ -102,7 +91,8 @@ class SecondaryTier(ABC):
     Subclasses implement :meth:`_store_blocks`, :meth:`_load_blocks` and :meth:`_probe` — all
     blocking functions, or all coroutine functions (a native asyncio tier) — and may override
     :meth:`_remove`, :meth:`_rows`, :meth:`_stored_event_keys`, :meth:`_startup`,
-    :meth:`_cleanup` and :meth:`touch`.
+    :meth:`_cleanup` and :meth:`touch`. The job machinery is composed, not inherited
+    (:class:`~kvcascade.tiers._jobs.TierJobs`).
 
     Args:
         name: the tier's name in metrics, events and replay output (e.g. ``"fs"``).
@@ -138,31 +128,16 @@ class SecondaryTier(ABC):
                 f"probe_timeout_s > 0; got {io_threads}, {io_timeout_s}, {max_queued_jobs}, "
                 f"{probe_timeout_s}"
             )
-        native = [inspect.iscoroutinefunction(getattr(self, m)) for m in _MOVERS]
-        if any(native) and not all(native):
-            raise TypeError(
-                f"tier {name!r}: {', '.join(_MOVERS)} must be all blocking or all coroutine "
-                f"functions; coroutine: {[m for m, n in zip(_MOVERS, native) if n]}"
-            )
         self.name = name
         self.host = host
         self.io_threads = io_threads
         self.io_timeout_s = io_timeout_s
         self.probe_timeout_s = probe_timeout_s
         self.max_queued_jobs = max_queued_jobs
-        self._native = all(native)
-        self._pool: WorkerPool | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread: int | None = None
-        self._wake: asyncio.Event | None = None
-        self._closed = False
-        self._pending: set[asyncio.Future[JobResult]] = set()
-        self._finished: collections.deque[JobResult] = collections.deque()
-        self._events: collections.deque[OffloadingEvent] = collections.deque()
-        self._lookup = AsyncLookup(self)
         self.counters: collections.Counter[str] = collections.Counter()
         self._counters_lock = threading.Lock()  # counts made on I/O threads
-        self._health = DeadlineHealth(name, self.counters, self._answers_in_time)
+        self._lookup = AsyncLookup(self)
+        self._jobs = TierJobs(self)
 
     # -- what a tier implements -------------------------------------------------------------
     @abstractmethod
@@ -225,19 +200,17 @@ class SecondaryTier(ABC):
         """Recency hint (no-op unless the tier keeps its own eviction order)."""
 
     # -- what a tier's movers may use ---------------------------------------------------------
-    def _row_access(self) -> contextlib.AbstractContextManager[None]:
+    def _row_access(self) -> AbstractContextManager[None]:
         """Around every read or write of primary rows by a blocking mover (its I/O thread).
 
         Raises:
             DeadlineExceededError: the job already passed its deadline.
         """
-        pool = self._pool
-        return pool.row_access() if pool is not None else contextlib.nullcontext()
+        return self._jobs.row_access()
 
     def _job_abandoned(self) -> bool:
         """On an I/O thread: True once the running job passed its deadline (stop early)."""
-        pool = self._pool
-        return pool is not None and pool.abandoned()
+        return self._jobs.abandoned()
 
     def _corrupt(self, exc: CorruptBlockError, delete: Callable[[], _T]) -> _T:
         """A block failed its integrity check: count it (``counters["corrupt_blocks"]``), warn
@@ -250,87 +223,50 @@ class SecondaryTier(ABC):
         log.warning("tier %s: %s; deleted, block treated as a miss", self.name, exc)
         return delete()
 
-    async def _call_blocking(
-        self,
-        fn: Callable[..., Any],
-        *args: Any,
-        deadline: bool = True,
-        timeout_s: float | None = None,
-    ) -> Any:
-        """Run ``fn(*args)`` on the tier's pool (load priority); its exception propagates.
+    def _announce_removed(self, keys: Sequence[bytes]) -> None:
+        """Announce ``keys`` as removed (the tier evicted them); safe on any thread."""
+        self._jobs.announce_removed(keys)
 
-        Raises:
-            TierUnavailableError: the tier is not running, or closed before the call ran.
-            DeadlineExceededError: ``deadline`` and the call did not return within
-                ``timeout_s`` (default ``io_timeout_s``).
-        """
-        self._check_running()
-        assert self._pool is not None
-        return await self._pool.submit(
-            fn, args, Priority.LOAD, deadline=deadline, is_job=False, timeout_s=timeout_s
-        )
+    async def _call_blocking(
+        self, fn: Callable[..., Any], *args: Any, deadline: bool = True
+    ) -> Any:
+        """Run ``fn(*args)`` on the tier's pool (load priority, deadline ``io_timeout_s`` unless
+        not ``deadline``; :meth:`TierJobs.call <kvcascade.tiers._jobs.TierJobs.call>`)."""
+        return await self._jobs.call(fn, *args, deadline=deadline)
 
     @property
     def degraded(self) -> bool:
         """True while the tier is degraded: its probes or loads kept missing their deadlines
         and no background probe has answered in time since (:mod:`kvcascade.tiers._health`)."""
-        return self._health.degraded
-
-    async def _answers_in_time(self) -> bool:
-        """The background probe of a degraded tier: whether a probe of a key nobody stores
-        answered (HIT, MISS or an error) within ``probe_timeout_s``; False once the tier is
-        closing (it is not probed any more)."""
-        if self._closed:
-            return False
-        try:
-            await self._call_blocking(self._probe, [_HEALTH_KEY], timeout_s=self.probe_timeout_s)
-        except DeadlineExceededError:
-            return False
-        except (OSError, KVCascadeError):
-            pass
-        return True
+        return self._jobs.health.degraded
 
     # -- lifecycle ------------------------------------------------------------------------
     async def serve(self, started: Callable[[], None] | None = None) -> None:
         """The actor: start the pool, run :meth:`_startup`, call ``started``, serve jobs until
         :meth:`close`; then fail the queued jobs, wait for the running ones (bounded by their
         deadlines), stop the pool and run :meth:`_cleanup`."""
-        self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
-        self._wake = asyncio.Event()
-        pool_type = TaskPool if self._native else ThreadPool
-        self._pool = pool = pool_type(self.name, self.io_threads, self.io_timeout_s, self.counters)
-        pool.start()
+        self._jobs.start()
         try:
             await self._startup()
             if started is not None:
                 started()
-            while not self._closed:
-                self._wake.clear()
-                await self._wake.wait()
+            await self._jobs.wait_closed()
         finally:
-            self._closed = True
-            await self._health.stop()
-            await pool.shutdown()
+            await self._jobs.shutdown()
             await self._cleanup()
 
     def close(self) -> None:
         """Stop the actor (any thread): queued jobs fail, running ones finish, then
         :meth:`serve` returns."""
-        self._closed = True
-        if self._pool is not None:
-            self._pool.close()
-        if self._loop is not None and self._wake is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._wake.set)
+        self._jobs.close()
 
     def has_pending_work(self) -> bool:
         """True while any job is queued or running."""
-        return bool(self._pending)
+        return self._jobs.has_pending_work()
 
     async def drain(self) -> None:
         """Wait until every submitted job completed or failed (bounded by their deadlines)."""
-        while self._pending:
-            await asyncio.wait(list(self._pending))
+        await self._jobs.drain()
 
     # -- synchronous façade (vLLM's SecondaryTierManager) ---------------------------------
     def submit_store(self, job: TransferJob) -> asyncio.Future[JobResult]:
@@ -343,7 +279,7 @@ class SecondaryTier(ABC):
         Raises:
             TierUnavailableError: the tier is not running.
         """
-        return self._submit(job)
+        return self._jobs.submit(job)
 
     def submit_load(self, job: TransferJob) -> asyncio.Future[JobResult]:
         """Queue a promotion (this tier → reserved primary rows); returns its future.
@@ -351,13 +287,11 @@ class SecondaryTier(ABC):
         Raises:
             TierUnavailableError: the tier is not running.
         """
-        return self._submit(job)
+        return self._jobs.submit(job)
 
     def get_finished_jobs(self) -> list[JobResult]:
         """Every job result finished since the last call (single consumer)."""
-        out = list(self._finished)
-        self._finished.clear()
-        return out
+        return self._jobs.finished()
 
     def lookup(self, key: bytes, ctx: ReqContext) -> LookupResult:
         """``HIT``/``MISS`` from the cached probe verdict, ``RETRY`` while the probe is pending
@@ -379,9 +313,7 @@ class SecondaryTier(ABC):
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Stored/removed events of this tier since the last call."""
-        out = list(self._events)
-        self._events.clear()
-        return out
+        return self._jobs.take_events()
 
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Probe the existence of ``keys`` now (for asyncio callers), as a load-priority call
@@ -392,30 +324,7 @@ class SecondaryTier(ABC):
         level); a degraded tier (:attr:`degraded`) answers MISS without a request
         (``counters["degraded_probes"]``).
         """
-        if not keys:
-            return []
-        if self._health.degraded:
-            self.counters["degraded_probes"] += len(keys)
-            return [False] * len(keys)
-        try:
-            found: list[bool] = await self._call_blocking(
-                self._probe, list(keys), timeout_s=self.probe_timeout_s
-            )
-        except DeadlineExceededError:
-            self._health.missed("probe", self.probe_timeout_s)
-            return [False] * len(keys)
-        except (TimeoutError, OSError, TierUnavailableError) as exc:
-            self.counters["probe_failures"] += 1
-            log.log(
-                logging.WARNING if self.counters["probe_failures"] == 1 else logging.DEBUG,
-                "tier %s: probe failed (%s); answering MISS (probe_failures so far: %d)",
-                self.name,
-                exc,
-                self.counters["probe_failures"],
-            )
-            return [False] * len(keys)
-        self._health.answered()
-        return found
+        return await self._jobs.probe(keys)
 
     async def invalidate(self, keys: Sequence[bytes]) -> int:
         """Delete ``keys``' blocks from this tier now (an operator's or embedder's removal of
@@ -437,111 +346,8 @@ class SecondaryTier(ABC):
         self._lookup.mark_miss(keys)
         gone = [k for k, was in zip(keys, present) if was]
         if gone:
-            self._events.append(OffloadingEvent(gone, self.medium, True, self.name))
+            self._announce_removed(gone)
         return len(gone)
-
-    # -- jobs -------------------------------------------------------------------------------
-    def _check_running(self) -> None:
-        if self._pool is None or self._wake is None or self._closed:
-            raise TierUnavailableError(f"tier {self.name!r} is not running")
-        if threading.get_ident() != self._loop_thread:
-            raise RuntimeError(f"tier {self.name!r}: submit from outside the event-loop thread")
-
-    def _submit(self, job: TransferJob) -> asyncio.Future[JobResult]:
-        self._check_running()
-        assert self._loop is not None and self._pool is not None
-        fut: asyncio.Future[JobResult] = self._loop.create_future()
-        if not job.is_promotion and self._pool.queued_jobs >= self.max_queued_jobs:
-            self.counters["store_rejected"] += 1
-            reason = f"queue full ({self.max_queued_jobs} jobs waiting)"
-            self._finish_job(job, fut, JobResult(job.job_id, False, error=reason))
-            return fut
-        if not job.is_promotion and self._health.degraded:
-            self.counters["degraded_skipped_blocks"] += len(job.keys)
-            reason = "tier degraded (calls missed their deadlines); cascade skipped"
-            self._finish_job(job, fut, JobResult(job.job_id, False, error=reason))
-            return fut
-        try:
-            rows = self._rows(job.block_ids)
-        except IndexError as exc:
-            self.counters["errors"] += 1
-            self._finish_job(job, fut, JobResult(job.job_id, False, error=str(exc)))
-            return fut
-        released = JobResult(job.job_id, False, released=True)  # once its rows are free
-        self._pool.submit(
-            self._load_blocks if job.is_promotion else self._store_blocks,
-            (job.keys, rows),
-            Priority.LOAD if job.is_promotion else Priority.STORE,
-            on_done=lambda work: self._job_done(job, work, fut),
-            on_released=lambda: self._finished.append(released),
-        )
-        self._pending.add(fut)
-        fut.add_done_callback(self._pending.discard)
-        return fut
-
-    def _job_done(self, job: TransferJob, work: Submitted, fut: asyncio.Future[JobResult]) -> None:
-        """Turn a job's outcome on the pool into its :class:`JobResult`."""
-        error = work.future.exception()
-        elapsed = time.perf_counter() - work.started_at
-        if job.is_promotion:
-            if isinstance(error, DeadlineExceededError):
-                self._health.missed("load", self.io_timeout_s)
-            elif error is None or isinstance(error, TransferError):
-                self._health.answered()
-        if error is None:
-            size = work.future.result()
-            result = JobResult(job.job_id, True, transfer_size=size, transfer_time=elapsed)
-        elif isinstance(error, DeadlineExceededError | TierUnavailableError):  # the pool's
-            abandoned = isinstance(error, DeadlineExceededError) and error.rows_in_use
-            result = JobResult(job.job_id, False, error=str(error), abandoned=abandoned)
-        elif isinstance(error, TransferError):
-            kind = "load_failures" if job.is_promotion else "store_failures"
-            self.counters[kind] += 1
-            # the first of each kind is a warning (a full disk fails every job: no flood); a
-            # corrupt block was already warned about by _corrupt
-            first = self.counters[kind] == 1 and not isinstance(error.__cause__, CorruptBlockError)
-            log.log(
-                logging.WARNING if first else logging.DEBUG,
-                "tier %s: job %d: %s (%s so far: %d)",
-                self.name,
-                job.job_id,
-                error,
-                kind,
-                self.counters[kind],
-            )
-            moved = error.transferred_bytes
-            result = JobResult(
-                job.job_id,
-                False,
-                successful_keys=error.succeeded or None,
-                error=str(error),
-                transfer_size=len(error.succeeded) * self.host.block_bytes
-                if moved is None
-                else moved,
-                transfer_time=elapsed,
-            )
-        else:
-            self.counters["errors"] += 1
-            log.warning("tier %s: job %d failed: %r", self.name, job.job_id, error)
-            result = JobResult(job.job_id, False, error=f"{type(error).__name__}: {error}")
-        self._finish_job(job, fut, result)
-
-    def _finish_job(
-        self, job: TransferJob, fut: asyncio.Future[JobResult], result: JobResult
-    ) -> None:
-        if job.is_promotion and not result.success:
-            done = set(result.successful_keys or ())
-            self._lookup.mark_miss([k for k in job.keys if k not in done])
-        if not job.is_promotion and result.success:
-            stored = self._stored_event_keys(job.keys)
-            if stored:
-                self._events.append(OffloadingEvent(stored, self.medium, False, self.name))
-        kind = "load" if job.is_promotion else "store"
-        self.counters[f"{kind}_jobs"] += 1
-        self.counters[f"{kind}_bytes"] += result.transfer_size
-        self._finished.append(result)
-        if not fut.done():
-            fut.set_result(result)
 
 
 async def gather_blocks(

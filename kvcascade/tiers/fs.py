@@ -78,7 +78,6 @@ import numpy as np
 from .._atomic import replace_file
 from .._errors import ConfigError, CorruptBlockError, TransferError
 from .._keys import make_offload_key
-from .._types import OffloadingEvent
 from .._validate import config_int, config_seconds
 from ..ops import _build
 from ..ops.swap import _checked
@@ -374,7 +373,7 @@ class FileSystemTier(SecondaryTier):
             self._index.evicted(victims)
             with self._counters_lock:
                 self.counters["evictions"] += len(victims)
-            self._events.append(OffloadingEvent(victims, self.medium, True, self.name))
+            self._announce_removed(victims)
         return True
 
     def _stamps(self, n: int) -> int:

@@ -99,7 +99,6 @@ from .._errors import (
     TierUnavailableError,
     TransferError,
 )
-from .._types import OffloadingEvent
 from .._validate import config_int, config_seconds, is_number
 from ._backend import Backend, Meaning, NotFoundError
 from ._block_format import (
@@ -541,7 +540,7 @@ class S3Tier(SecondaryTier):
         results = await asyncio.gather(*(self._delete(k) for k in victims), return_exceptions=True)
         self._known.evicted(victims)
         self.counters["evictions"] += len(victims)
-        self._events.append(OffloadingEvent(victims, self.medium, True, self.name))
+        self._announce_removed(victims)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             log.warning(
