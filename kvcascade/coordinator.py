@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry
 
 from ._errors import BlockUnavailableError
 from ._pending_writes import PendingWrites
+from ._prefix_walk import walk_prefix
 from ._types import (
     CPULoadStoreSpec,
     JobResult,
@@ -313,38 +314,47 @@ class TieringCoordinator:
         tiers' probes instead of answering ``RETRY`` (the walk of ``Cascade.lookup_prefix``).
 
         Keys absent from the primary are probed in one batch per tier
-        (:meth:`SecondaryTier.contains`); then each key in order goes through :meth:`lookup`
-        with those verdicts (primary hits pinned, secondary hits promoted), and the first miss
-        ends the prefix. A key evicted from the primary since the batch probe (an earlier key's
-        promotion took its slot) is probed again on its own instead of being called a miss.
-        An asyncio caller has no steps: the finished jobs are applied first (:meth:`poll_now`),
-        so the slots of promotions that landed for requests finished unread are evictable again.
+        (:meth:`SecondaryTier.contains`); then the prefix walk of both fronts
+        (:func:`~kvcascade._prefix_walk.walk_prefix`) takes each key in order through
+        :meth:`lookup` with those verdicts (primary hits pinned, secondary hits promoted), and
+        the first miss ends the prefix. A key evicted from the primary since the batch probe
+        (an earlier key's promotion took its slot) stops the walk: it is probed on its own and
+        the walk goes on from it, instead of calling it a miss. A key's source is ``"cpu"``, or
+        the tier its promotion reads from (:meth:`_promotion_source`). An asyncio caller has no
+        steps: the finished jobs are applied first (:meth:`poll_now`), so the slots of
+        promotions that landed for requests finished unread are evictable again.
         """
         self.poll_now()
-        absent = [k for k in keys if self.primary.get_block(k) is None]
-        found: list[dict[bytes, bool]] = []
-        for tier in self.tiers:
-            answers = await tier.contains(absent) if absent else []
-            found.append(dict(zip(absent, answers)))
+        found = await self._probe_tiers([k for k in keys if self.primary.get_block(k) is None])
         out = PrefixLookup()
-        for key in keys:
-            verdicts = {i: f[key] for i, f in enumerate(found) if key in f}
-            in_primary = self.primary.get_block(key) is not None
-            if not in_primary and len(verdicts) < len(self.tiers):
-                for i, tier in enumerate(self.tiers):
-                    verdicts[i] = found[i][key] = (await tier.contains([key]))[0]
-            result = self.lookup(key, ctx, verdicts=verdicts)
-            if result is _HIT:
-                out.tiers.append("cpu")
-            elif result is _PENDING:
-                source = self._promotion_source(key) if in_primary else None
-                if source is None and not in_primary:
-                    source = next(self.tiers[i].name for i, f in sorted(verdicts.items()) if f)
-                out.tiers.append(source or "cpu")
-            else:
-                break
-            out.keys.append(key)
-        return out
+        rest = list(keys)
+        while True:
+            walk = walk_prefix(
+                rest,
+                lambda key: self.lookup(key, ctx, verdicts=found.get(key, {})),
+                lambda key: (
+                    len(found.get(key, ())) < len(self.tiers)
+                    and self.primary.get_block(key) is None
+                ),
+            )
+            for key, result in zip(rest, walk.results):
+                out.keys.append(key)
+                pending = result is _PENDING
+                out.tiers.append((self._promotion_source(key) if pending else None) or "cpu")
+            if walk.probe is None:
+                return out
+            rest = rest[len(walk.results) :]
+            found.update(await self._probe_tiers([walk.probe]))
+
+    async def _probe_tiers(self, keys: list[bytes]) -> dict[bytes, dict[int, bool]]:
+        """Each key's existence in each secondary tier (tier index → found), one
+        :meth:`SecondaryTier.contains` per tier."""
+        found: dict[bytes, dict[int, bool]] = {key: {} for key in keys}
+        if keys:
+            for idx, tier in enumerate(self.tiers):
+                for key, answer in zip(keys, await tier.contains(keys)):
+                    found[key][idx] = answer
+        return found
 
     def _initiate_promotion(self, tier_idx: int, key: bytes, ctx: ReqContext) -> bool:
         out = self.primary.prepare_store([key], ctx)

@@ -46,6 +46,7 @@ from itertools import chain
 from typing import Any, Protocol
 
 from ._keys import make_offload_key, split_offload_key
+from ._prefix_walk import walk_prefix
 from ._types import (
     CPULoadStoreSpec,
     GPULoadStoreSpec,
@@ -405,20 +406,10 @@ class OffloadScheduler:
 
     # -- lookup (vLLM's _lookup_complete_chunks) -------------------------------------------
     def _maximal_prefix(self, keys: Sequence[bytes], ctx: ReqContext) -> int | None:
-        count = 0
-        deferred = False
-        for key in keys:
-            result = self.manager.lookup(key, ctx)
-            if result is _HIT:
-                count += 1
-            elif result is _PENDING:
-                count += 1
-                deferred = True
-            elif result is _RETRY:
-                deferred = True
-            else:
-                break
-        return None if deferred else count
+        """Chunks of ``keys`` readable from the start, or None to ask again later
+        (:func:`~kvcascade._prefix_walk.walk_prefix`, vLLM's ``_maximal_prefix_lookup``)."""
+        walk = walk_prefix(keys, lambda key: self.manager.lookup(key, ctx))
+        return None if walk.deferred else walk.num_hits
 
     def _suffix_window(self, keys: Sequence[bytes], window: int, ctx: ReqContext) -> int | None:
         run = 0
