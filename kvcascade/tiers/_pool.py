@@ -2,7 +2,8 @@
 
 vLLM splits a tier the same way: ``tiering/base.py`` is the contract a tier implements,
 ``fs/thread_pool.py`` (``DualQueueThreadPool``) runs its blocking I/O and ``async_lookup.py``
-batches its probes. Here: :mod:`kvcascade.tiers.base`, this module, :mod:`kvcascade.tiers._lookup`.
+batches its probes. Here: :mod:`kvcascade.tiers.base`, this module (driven by the tier's job
+machinery, :mod:`kvcascade.tiers._jobs`), :mod:`kvcascade.tiers._lookup`.
 
 Interface (:class:`WorkerPool`): :meth:`~WorkerPool.submit` a call with a :class:`Priority` and
 a deadline; it returns a :class:`Submitted`, awaitable for the call's result (or its exception).
