@@ -493,6 +493,7 @@ async def test_a_prefix_key_evicted_by_its_own_promotions_is_found_in_the_second
         cascade.device.kv.zero_()
         found = await cascade.lookup_prefix(keys, reader)
         assert found.num_hits == 3  # as many as the primary's 3 slots can hold at once
+        assert found.tiers == ["memory"] * 3  # key 2 too: re-probed once the walk evicted it
         loaded = await cascade.load(found.keys, reader, [5, 6, 7])
         assert loaded.loaded == 3
         assert [int(cascade.device.kv[g, 0]) for g in (5, 6, 7)] == [0, 1, 2]
