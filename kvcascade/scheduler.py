@@ -412,6 +412,9 @@ class OffloadScheduler:
         return None if walk.deferred else walk.num_hits
 
     def _suffix_window(self, keys: Sequence[bytes], window: int, ctx: ReqContext) -> int | None:
+        """End index in ``keys`` of the last run of ``window`` consecutive hits, scanning from
+        the end (a gap restarts the run, it does not end the walk), or None to ask again later
+        (vLLM's ``_sliding_window_lookup``; not the walk of :mod:`kvcascade._prefix_walk`)."""
         run = 0
         deferred = False
         for i in range(len(keys) - 1, -1, -1):
