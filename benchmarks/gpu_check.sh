@@ -5,7 +5,7 @@
 #
 # 1. builds the extension (C++ + CUDA) and loads the Triton kernel, printing what is available;
 # 2. compiles kernels/swap_blocks_cuda.cu standalone with nvcc (if nvcc is on PATH);
-# 3. runs tests/test_kernels.py and tests/test_device_tier.py (CPU cases plus the same cases with
+# 3. runs tests/ops/test_kernels.py and tests/tiers/test_device_tier.py (CPU cases plus the same cases with
 #    CUDA tensors);
 # 4. prints H2D (load) and D2H (store) GB/s for pages 4 KiB … 2 MiB: swap_blocks with the C++ op
 #    and with the Triton kernel, on a side stream, against one contiguous torch copy_ from/to
@@ -70,7 +70,7 @@ fi
 
 echo "== tests"
 # -W default: a deprecation warning of the GPU machine's torch build must not hide the results.
-timeout 300 "$PY" -m pytest tests/test_kernels.py tests/test_device_tier.py -q -p no:cacheprovider \
+timeout 300 "$PY" -m pytest tests/ops/test_kernels.py tests/tiers/test_device_tier.py -q -p no:cacheprovider \
     -rs -W default || status=1
 
 echo "== bandwidth (GB/s = 1e9 bytes/s, median of 5, side stream)"

@@ -1,5 +1,5 @@
 """The runnable examples run and print what they promise (the vLLM one runs in the vLLM venv
-from tests/test_vllm_e2e.py's environment only, so it is only syntax-checked here)."""
+from tests/integrations/test_vllm_e2e.py's environment only, so it is only syntax-checked here)."""
 
 from __future__ import annotations
 

@@ -14,13 +14,12 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from build_fixtures import build_in_progress, still_building  # noqa: F401 (fixture)
 
 from kvcascade.ops import (
     ChunkCopy,
@@ -36,7 +35,7 @@ from kvcascade.ops import (
 )
 from kvcascade.ops import swap as swap_mod
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 # (src device, dst device) pairs: host↔host always; with a GPU also H2D, D2H and D2D.
@@ -471,35 +470,7 @@ def test_plan_errors() -> None:
         plan_chunk_copies([-1], [0], [], [], 1)
 
 
-@pytest.fixture
-def build_in_progress(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
-    """The extension is "still compiling": the load state is reset and the build step (the
-    compiler, not the code under test) blocks until the yielded gate is set, then returns the
-    extension this process already built. A build still blocked proves nobody waited for it."""
-    ext = _build.load_extension()
-    if ext is None:
-        pytest.skip(f"extension not built: {_build.extension_error()}")
-    gate = threading.Event()
-
-    def compiling() -> object:
-        gate.wait(30)
-        return ext
-
-    for name, value in (("_extension", None), ("_attempted", False), ("_background", None)):
-        monkeypatch.setattr(_build, name, value)
-    monkeypatch.setattr(_build, "_build_in_child", lambda: None)  # "built"; loading blocks
-    monkeypatch.setattr(_build, "_build", compiling)
-    yield gate
-    gate.set()
-    if _build._background is not None:
-        _build._background.join(35)
-
-
-def still_building() -> bool:
-    return _build._background is not None and _build._background.is_alive()
-
-
-def test_host_copy_does_not_wait_for_a_running_build(build_in_progress) -> None:
+def test_host_copy_does_not_wait_for_a_running_build(build_in_progress) -> None:  # noqa: F811
     """Issue #15 defect 3: the serving path copies with the fallback while the build runs in
     the background, and uses the extension once it has loaded."""
     src = _random_rows(4, 64, seed=3)
@@ -556,7 +527,10 @@ def test_build_outlives_a_process_that_exits_mid_build(tmp_path: Path) -> None:
         assert (tmp_path / name / f"{name}.so").is_file()
 
 
-def test_triton_probe_does_not_wait_for_a_running_build(build_in_progress, monkeypatch) -> None:
+def test_triton_probe_does_not_wait_for_a_running_build(
+    build_in_progress,  # noqa: F811
+    monkeypatch,
+) -> None:
     """Issue #15 defect 3: probing for Triton (done by every "auto" dispatch) took the lock the
     C++ build holds for its whole minute; it has its own lock now."""
     monkeypatch.setattr(_build, "_triton_attempted", False)

@@ -50,7 +50,7 @@ from kvcascade.tiers.s3 import S3Tier, s3_tier_from_config
 moto = s3_fixtures.moto  # the session's moto_server process
 bucket = s3_fixtures.bucket  # a fresh bucket on it
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def tier_config(endpoint: str, bucket: str, **kw: Any) -> dict[str, Any]:
@@ -62,7 +62,7 @@ def tier_config(endpoint: str, bucket: str, **kw: Any) -> dict[str, Any]:
         "secret_key": SECRET_KEY,
         "addressing_style": "path",
         # moto on a busy 2-core machine sometimes answers a HEAD after the 0.5 s default; the
-        # probe deadline has its own tests (tests/test_slow_tier.py)
+        # probe deadline has its own tests (tests/tiers/test_slow_tier.py)
         "probe_timeout_s": 5.0,
         **kw,
     }

@@ -46,7 +46,7 @@ from kvcascade.tiers._block_format import (
 from kvcascade.tiers._file_mapper import FileMapper, default_identity
 from kvcascade.tiers.fs import FileSystemTier, fs_tier_from_config
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def compiled_extension() -> Any:

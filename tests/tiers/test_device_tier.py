@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from test_kernels import build_in_progress, still_building  # noqa: F401 (fixture)
+from build_fixtures import build_in_progress, still_building  # noqa: F401 (fixture)
 
 import kvcascade as kc
 from kvcascade.tiers.device import DeviceTier, EventBridge

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from test_vllm_e2e import PROMPT, generate, make_llm, model_dir  # noqa: F401 (model_dir: fixture)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.filterwarnings("default")
 
