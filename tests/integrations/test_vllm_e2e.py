@@ -1,7 +1,8 @@
 """KVCascadeConnector inside a real vLLM engine (CPU backend, in-process, tiny random Llama).
 
 Skipped when vLLM is not importable (the main environment has none). CI runs it from the vLLM
-virtualenv: ``/work/vllm-venv/bin/python -m pytest tests/integrations/test_vllm_e2e.py -q -p no:cacheprovider``.
+virtualenv (``.ci/run``:
+``$VENV/bin/python -m pytest tests/integrations/test_vllm_e2e.py -q -p no:cacheprovider``).
 The model is written with ``transformers.LlamaConfig`` into a temporary directory and loaded
 with dummy (random) weights: no network access.
 """

@@ -1,6 +1,7 @@
 """The s3/valkey error boundary (``kvcascade/tiers/_backend.py``): one table, one translation,
 the backend's availability. Real exceptions raised inside the boundary; the tiers' own tables
-are exercised against real servers in tests/tiers/test_s3_tier.py and tests/tiers/test_valkey_tier.py."""
+are exercised against real servers in tests/tiers/test_s3_tier.py and
+tests/tiers/test_valkey_tier.py."""
 
 from __future__ import annotations
 
