@@ -25,8 +25,9 @@ import pytest
 
 #: Seconds a callback may hold an asyncio test's loop: a blocking call of a second fails the test.
 #: On a shared 2-core machine (load average ~7) steps of tests/tiers/test_fs_tier.py measured
-#: 0.3-1.0 s in one whole-suite run and at most 0.23 s in another (the test's reader threads competing for
-#: the GIL with the loop); everything else stayed under 0.11 s. The bound sits above that noise.
+#: 0.3-1.0 s in one whole-suite run and at most 0.23 s in another (the test's reader threads
+#: competing for the GIL with the loop); everything else stayed under 0.11 s. The bound sits above
+#: that noise.
 SLOW_CALLBACK_S = 1.0
 
 #: Seconds one test may take, fixtures included: about three times the slowest test of a

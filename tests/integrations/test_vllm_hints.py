@@ -1,9 +1,10 @@
 """Request hints from vLLM onto kvcascade's SessionHint (issue #16 item 5).
 
 vLLM 0.32 carries them in ``kv_transfer_params`` (also over HTTP:
-``tests/integrations/test_vllm_serve.py`` sends one), vLLM 0.33 also in ``Request.kv_hints``, a ``KvHintsEnvelope``
-(``vllm/v1/kv_hints/protocol.py``). The envelope rules run without vLLM; the adapter test runs
-a real vLLM ``Request`` through the connector's request view (skipped without vLLM).
+``tests/integrations/test_vllm_serve.py`` sends one), vLLM 0.33 also in ``Request.kv_hints``, a
+``KvHintsEnvelope`` (``vllm/v1/kv_hints/protocol.py``). The envelope rules run without vLLM; the
+adapter test runs a real vLLM ``Request`` through the connector's request view (skipped without
+vLLM).
 """
 
 from __future__ import annotations

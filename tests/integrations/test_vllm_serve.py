@@ -4,9 +4,10 @@ Real processes on 127.0.0.1: ``python -m vllm.entrypoints.openai.api_server`` (v
 ``vllm`` command fails with ``PackageNotFoundError``; ``docs/vllm.md``) with vLLM's default
 multiprocess engine core (``VLLM_ENABLE_V1_MULTIPROCESSING`` unset: API server, engine core and
 worker are three processes), the tiny dummy-weight Llama of
-``tests/integrations/test_vllm_e2e.py``, token-id prompts over HTTP, vLLM's ZMQ KV-event publisher connecting to a subscriber bound here, and
-``/metrics`` scraped from the server. Three server starts in all (one module-scoped scenario):
-a baseline without kvcascade, a kvcascade server, and a restart of it on the same fs root.
+``tests/integrations/test_vllm_e2e.py``, token-id prompts over HTTP, vLLM's ZMQ KV-event
+publisher connecting to a subscriber bound here, and ``/metrics`` scraped from the server. Three
+server starts in all (one module-scoped scenario): a baseline without kvcascade, a kvcascade
+server, and a restart of it on the same fs root.
 
 Run from the vLLM virtualenv (``.ci/run``):
 ``/tmp/kvcascade-vllm-venv/bin/python -m pytest tests/integrations/test_vllm_serve.py -q

@@ -1,8 +1,8 @@
 """kvcascade's events and statistics in vLLM's own types, without a server (issue #16).
 
-``tests/integrations/test_vllm_serve.py`` checks both end to end (a ZMQ subscriber,
-``/metrics``); here the cases a short serving run does not reach: secondary-tier removals, gauges that do not change,
-counters that do not grow, a payload name this version does not know, and the msgpack round
+``tests/integrations/test_vllm_serve.py`` checks both end to end (a ZMQ subscriber, ``/metrics``);
+here the cases a short serving run does not reach: secondary-tier removals, gauges that do not
+change, counters that do not grow, a payload name this version does not know, and the msgpack round
 trip vLLM's engine core → API server hop makes of a payload.
 """
 
