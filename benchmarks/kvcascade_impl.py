@@ -6,13 +6,26 @@ directory (or with it on ``sys.path``), with a Python that has both vLLM and kvc
 
     cd benchmarks && /tmp/kvcascade-vllm-venv/bin/python /work/shared/bench/bookkeeping.py \\
         --configs lru,arc,tiering --impl kvcascade_impl:make_manager
+
+Run as a script, it drives that harness (``--harness PATH``) itself for the tiering
+configuration only, vLLM's ``TieringOffloadingManager`` then kvcascade's coordinator on the
+harness's key sequence at capacity n and n // 10, and prints µs per key (best of ``--runs``) and
+kvcascade/vLLM (goal <= 0.5); ``--json PATH`` writes those rows in ``benchmarks/_rows.py``'s
+format, ``--quick`` uses 20,000 keys and 2 runs::
+
+    PYTHONPATH=. /tmp/kvcascade-vllm-venv/bin/python benchmarks/kvcascade_impl.py [--quick]
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import importlib.util
+from types import ModuleType
 from typing import Any
+
+from _rows import Row, write_rows
 
 from kvcascade import (
     CPUOffloadingManager,
@@ -91,3 +104,58 @@ def make_manager(kind: str, policy: str, capacity: int) -> dict[str, Any] | None
     if kind == "tiering":
         return _tiering(policy, capacity)
     return None
+
+
+def _load_harness(path: str) -> ModuleType:
+    """Import the shared bookkeeping harness from ``path``.
+
+    Raises:
+        FileNotFoundError: no such file.
+    """
+    spec = importlib.util.spec_from_file_location("bookkeeping_harness", path)
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(f"no bookkeeping harness at {path!r}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Tiering bookkeeping: kvcascade vs vLLM")
+    parser.add_argument("--harness", default="/work/shared/bench/bookkeeping.py")
+    parser.add_argument("--n", type=int, default=100_000)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--quick", action="store_true", help="20,000 keys, 2 runs")
+    parser.add_argument("--json", help="write the ratio rows here (benchmarks/_rows.py)")
+    args = parser.parse_args()
+    if args.quick:
+        args.n, args.runs = 20_000, 2
+    harness = _load_harness(args.harness)
+    keys = harness.make_keys(args.n)
+    print(f"tiering (lru + in-memory tier), N={args.n}, best of {args.runs}, µs per key")
+    print(f"{'capacity':>8} {'batch':>5} | {'vLLM':>7} {'ours':>7} {'ours/vLLM':>9} | same hits")
+    rows = []
+    for capacity in (args.n, args.n // 10):
+        for batch in (int(b) for b in args.batches.split(",")):
+            best = {}
+            for name, factory in (("vllm", harness.vllm_impl), ("ours", make_manager)):
+                runs = harness.run_config(
+                    factory, "tiering", "lru", capacity, batch, keys, args.runs
+                )
+                best[name] = (min(r.us_per_key for r in runs), runs[0].hits, runs[0].evicted)
+            (theirs, v_hits, v_ev), (ours, o_hits, o_ev) = best["vllm"], best["ours"]
+            same = "yes" if (v_hits, v_ev) == (o_hits, o_ev) else f"NO ({o_hits}/{v_hits})"
+            print(
+                f"{capacity:>8} {batch:>5} | {theirs:7.2f} {ours:7.2f} {ours / theirs:9.2f} | "
+                f"{same}",
+                flush=True,
+            )
+            name = f"tiering cap {capacity} batch {batch} kvcascade/vLLM"
+            rows.append(Row.of(name, ours, theirs, "<= 0.5", "us/key"))
+    if args.json:
+        write_rows(args.json, "kvcascade_impl", rows)
+
+
+if __name__ == "__main__":
+    main()
