@@ -27,7 +27,7 @@ Every pass writes a fresh tree; trees are deleted after each repeat (untimed). L
 verified after each timed load (untimed). Repeats rotate which side goes first; the table shows
 the best of the repeats and the ratios tier/raw and tier/vLLM (goal >= 1.0). GB/s = 1e9 payload
 bytes per second. ``--json PATH`` writes the kvcascade/vLLM rows (kvcascade/raw without vLLM) in
-``benchmarks/_rows.py``'s format; ``--quick`` moves 64 MiB per pass, 2 repeats.
+``benchmarks/_rows.py``'s format; ``--quick`` moves 32 MiB per pass, 2 repeats.
 
 Usage::
 
@@ -379,11 +379,11 @@ async def main() -> None:
         "--authenticated", action="store_true", help="authenticated blocks (HMAC-SHA256)"
     )
     parser.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip vLLM's side")
-    parser.add_argument("--quick", action="store_true", help="64 MiB per pass, 2 repeats")
+    parser.add_argument("--quick", action="store_true", help="32 MiB per pass, 2 repeats")
     parser.add_argument("--json", help="write the ratio rows here (benchmarks/_rows.py)")
     args = parser.parse_args()
     if args.quick:
-        args.total_mib, args.repeats = 64, 2
+        args.total_mib, args.repeats = 32, 2
     roots = args.root or [r for r in ("/tmp", "/dev/shm") if os.path.isdir(r)]
     for root in roots:
         if not os.path.isdir(root):
