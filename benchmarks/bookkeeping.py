@@ -20,7 +20,7 @@ ARC the ghost lists are filled too (``--mem-blocks`` further keys evicted) and r
     python benchmarks/bookkeeping.py [--n 100000] [--runs 5] [--batches 1,16]
         [--policies lru,arc] [--mem-blocks 100000] [--no-vllm] [--quick] [--json PATH]
 
-``--quick``: 10,000 keys, 2 runs, 10,000 blocks for memory; ``--json PATH``: ours/vLLM µs per key
+``--quick``: 5,000 keys, 2 runs, 5,000 blocks for memory; ``--json PATH``: ours/vLLM µs per key
 (goal <= 0.5; ours alone without vLLM) in ``benchmarks/_rows.py``'s format.
 """
 
@@ -153,11 +153,11 @@ def main() -> None:
     ap.add_argument("--policies", default="lru,arc")
     ap.add_argument("--mem-blocks", type=int, default=100_000)
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM even if importable")
-    ap.add_argument("--quick", action="store_true", help="10,000 keys, 2 runs")
+    ap.add_argument("--quick", action="store_true", help="5,000 keys, 2 runs")
     ap.add_argument("--json", help="write the ratio rows here (benchmarks/_rows.py)")
     args = ap.parse_args()
     if args.quick:
-        args.n, args.runs, args.mem_blocks = 10_000, 2, 10_000
+        args.n, args.runs, args.mem_blocks = 5_000, 2, 5_000
     rows: list[Row] = []
 
     impls: list[tuple[str, Callable]] = [("ours", _ours)]

@@ -11,7 +11,7 @@ Run as a script, it drives that harness (``--harness PATH``) itself for the tier
 configuration only, vLLM's ``TieringOffloadingManager`` then kvcascade's coordinator on the
 harness's key sequence at capacity n and n // 10, and prints µs per key (best of ``--runs``) and
 kvcascade/vLLM (goal <= 0.5); ``--json PATH`` writes those rows in ``benchmarks/_rows.py``'s
-format, ``--quick`` uses 10,000 keys and 2 runs::
+format, ``--quick`` uses 5,000 keys and 2 runs::
 
     PYTHONPATH=. /tmp/kvcascade-vllm-venv/bin/python benchmarks/kvcascade_impl.py [--quick]
 """
@@ -126,11 +126,11 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=100_000)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--batches", default="1,16")
-    parser.add_argument("--quick", action="store_true", help="10,000 keys, 2 runs")
+    parser.add_argument("--quick", action="store_true", help="5,000 keys, 2 runs")
     parser.add_argument("--json", help="write the ratio rows here (benchmarks/_rows.py)")
     args = parser.parse_args()
     if args.quick:
-        args.n, args.runs = 10_000, 2
+        args.n, args.runs = 5_000, 2
     harness = _load_harness(args.harness)
     keys = harness.make_keys(args.n)
     print(f"tiering (lru + in-memory tier), N={args.n}, best of {args.runs}, µs per key")
