@@ -327,7 +327,12 @@ sys.exit(main(["replay", "--requests", "2000", "--quiet"]))
 EOF
 
 echo "== ratio table"
-"$PY" benchmarks/run_all.py --table "$GPU_ROWS"/*.json || status=1
+rows=("$GPU_ROWS"/*.json)
+if [ -e "${rows[0]}" ]; then
+    "$PY" benchmarks/run_all.py --table "${rows[@]}" || status=1
+else
+    echo "no ratio rows were written"; status=1
+fi
 
 echo "== done in ${SECONDS}s total since build start, status $status"
 exit $status
