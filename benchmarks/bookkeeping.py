@@ -18,7 +18,10 @@ Memory: ``tracemalloc`` traced bytes of a manager filled to ``--mem-blocks`` rea
 ARC the ghost lists are filled too (``--mem-blocks`` further keys evicted) and reported apart.
 
     python benchmarks/bookkeeping.py [--n 100000] [--runs 5] [--batches 1,16]
-        [--policies lru,arc] [--mem-blocks 100000] [--no-vllm]
+        [--policies lru,arc] [--mem-blocks 100000] [--no-vllm] [--quick] [--json PATH]
+
+``--quick``: 5,000 keys, 2 runs, 5,000 blocks for memory; ``--json PATH``: ours/vLLM µs per key
+(goal <= 0.5; ours alone without vLLM) in ``benchmarks/_rows.py``'s format.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import time
 import tracemalloc
 from collections.abc import Callable
 from typing import Any
+
+from _rows import Row, write_rows
 
 from kvcascade import CPUOffloadingManager, LookupResult, ReqContext
 
@@ -148,7 +153,12 @@ def main() -> None:
     ap.add_argument("--policies", default="lru,arc")
     ap.add_argument("--mem-blocks", type=int, default=100_000)
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM even if importable")
+    ap.add_argument("--quick", action="store_true", help="5,000 keys, 2 runs")
+    ap.add_argument("--json", help="write the ratio rows here (benchmarks/_rows.py)")
     args = ap.parse_args()
+    if args.quick:
+        args.n, args.runs, args.mem_blocks = 5_000, 2, 5_000
+    rows: list[Row] = []
 
     impls: list[tuple[str, Callable]] = [("ours", _ours)]
     if not args.no_vllm:
@@ -179,6 +189,10 @@ def main() -> None:
                     name: measure(f, policy, capacity, batch, keys, args.runs) for name, f in impls
                 }
                 ours = res["ours"]
+                v_best = res["vllm"]["best"] if "vllm" in res else None
+                name = f"{policy} cap {capacity} batch {batch} ours/vLLM"
+                goal = "<= 0.5" if v_best else None
+                rows.append(Row.of(name, ours["best"], v_best, goal, "us/key"))
                 line = (
                     f"{policy:6s} {capacity:8d} {batch:5d} | {ours['best']:9.2f} "
                     f"{ours['median']:6.2f}"
@@ -202,6 +216,8 @@ def main() -> None:
             per_block, per_ghost = bytes_per_block(f, policy, args.mem_blocks)
             extra = f"; after {args.mem_blocks} more stores (+ ghosts / churn): +{per_ghost:.0f} B"
             print(f"  {name:4s} {policy:4s}: {per_block:6.0f} B/block{extra}", flush=True)
+    if args.json:
+        write_rows(args.json, "bookkeeping", rows)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ swap / torch (target ≥ 0.9). Because torch's int8 ``index_copy_`` is slow on t
 two buffers, and ``/ceil`` the swap path's share of it.
 
     python benchmarks/copy_blocks.py [--total-mib 64] [--reps 7] [--pages 4096,65536]
+        [--quick] [--json PATH]
+
+``--quick``: 16 MiB batches, 3 reps; ``--json PATH``: the swap/torch rows (goal >= 0.9) in
+``benchmarks/_rows.py``'s format.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 
 import numpy as np
 import torch
+from _rows import Row, write_rows
 
 from kvcascade.ops import select_kernel, swap_blocks
 
@@ -82,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--pages", default=",".join(map(str, DEFAULT_PAGES)))
     ap.add_argument("--kernel", default="auto", choices=["auto", "cpp", "torch"])
+    ap.add_argument("--quick", action="store_true", help="16 MiB batches, 3 reps")
+    ap.add_argument("--json", help="write the ratio rows here (benchmarks/_rows.py)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.total_mib, args.reps = 16, 3
     pages = [int(p) for p in args.pages.split(",")]
     print(
         f"torch {torch.__version__}, {os.cpu_count()} CPUs, torch threads "
@@ -92,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'page':>8} {'dir':>5} {'blocks':>6} {'kernel':>6} {'swap GB/s':>10} "
         f"{'torch GB/s':>10} {'ratio':>6} {'ceiling':>8} {'/ceil':>6}"
     )
+    out: list[Row] = []
     for page in pages:
         for page_, name, n, used, swap_gbs, ref_gbs, ceil_gbs in bench_page(
             page, args.total_mib << 20, args.reps, args.kernel
@@ -100,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{page_:>8} {name:>5} {n:>6} {used:>6} {swap_gbs:>10.2f} {ref_gbs:>10.2f} "
                 f"{swap_gbs / ref_gbs:>6.2f} {ceil_gbs:>8.2f} {swap_gbs / ceil_gbs:>6.2f}"
             )
+            label = f"{name} page {page_} ({used})"
+            out.append(Row.of(f"{label} swap/torch", swap_gbs, ref_gbs, ">= 0.9", "GB/s"))
+    if args.json:
+        write_rows(args.json, "copy_blocks", out)
     return 0
 
 

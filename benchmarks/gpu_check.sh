@@ -10,20 +10,26 @@
 # 4. prints H2D (load) and D2H (store) GB/s for pages 4 KiB … 2 MiB: swap_blocks with the C++ op
 #    and with the Triton kernel, on a side stream, against one contiguous torch copy_ from/to
 #    pinned memory of the same bytes (plain cudaMemcpyAsync);
-# 5. times the CUDA event → asyncio future bridge; then, through the asyncio API's DeviceTier
-#    (issue #15): H2D/D2H GB/s from a pinned vs a pageable host buffer, event-loop lag while
-#    device copies run, and a load's latency while a long store runs (one bridge per direction);
+# 5. times the CUDA event → asyncio future bridge per direction (an awaited DeviceTier load /
+#    store against the same copy waited with event.synchronize); plain torch copies from/to a
+#    pinned vs a pageable host tensor; then, through the asyncio API's DeviceTier (issue #15):
+#    H2D/D2H GB/s from a pinned vs a pageable host buffer, event-loop lag while device copies
+#    run, and a load's latency while a long store runs (one bridge per direction);
 # 6. runs `kvcascade calibrate` (both directions) into $KVCASCADE_BUILD_DIR/kernel_settings.json
 #    (not the user's settings file) and prints the crossover it found;
 # 7. replays the first 2,000 requests of the bundled trace with the KV cache on the GPU, every
-#    loaded block compared byte for byte (corrupt blocks must read 0).
+#    loaded block compared byte for byte (corrupt blocks must read 0);
+# 8. prints the ratio rows of steps 4-5 (benchmarks/_rows.py, in $KVCASCADE_BUILD_DIR/gpu_rows)
+#    as one table, with benchmarks/run_all.py's table code.
 # Environment: KVCASCADE_BUILD_DIR (default build/kvcascade_ext), GPU_CHECK_TOTAL_MIB (256).
 # Exit status: non-zero if the build, nvcc or the tests failed (the benchmark still runs).
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
 export KVCASCADE_BUILD_DIR="${KVCASCADE_BUILD_DIR:-$PWD/build/kvcascade_ext}"
+export GPU_ROWS="$KVCASCADE_BUILD_DIR/gpu_rows"
+mkdir -p "$GPU_ROWS" && rm -f "$GPU_ROWS"/*.json
 PY="${PYTHON:-$(command -v python || command -v python3)}"
 status=0
 
@@ -81,6 +87,7 @@ import time
 
 import numpy as np
 import torch
+from _rows import Row, write_rows
 
 from kvcascade.ops import swap_blocks, triton_available
 
@@ -105,6 +112,7 @@ def median_s(fn, reps=5):
 
 print(f"{'page':>8} {'dir':>4} {'blocks':>6} " + "".join(f"{k:>9}" for k in kernels)
       + f" {'memcpy':>9} " + "".join(f"{k + '/mc':>10}" for k in kernels))
+rows = []
 for page in pages:
     n = max(1, total // page)
     gpu = torch.empty(2 * n, page, dtype=torch.int8, device="cuda").random_(-128, 127)
@@ -128,43 +136,95 @@ for page in pages:
         mc = n * page / t_mc / 1e9
         print(f"{page:>8} {name:>4} {n:>6} " + "".join(f"{v:>9.2f}" for v in row)
               + f" {mc:>9.2f} " + "".join(f"{v / mc:>10.2f}" for v in row))
+        for k, v in zip(kernels, row):
+            rows.append(Row.of(f"{name} page {page} {k}/memcpy", v, mc, ">= 0.9", "GB/s"))
     del gpu, host
     torch.cuda.empty_cache()
+write_rows(os.path.join(os.environ["GPU_ROWS"], "gpu_bandwidth.json"), "gpu_bandwidth", rows)
 EOF
 
-echo "== event bridge: CUDA event → awaited future latency (µs), 200 small transfers"
-timeout 60 "$PY" - <<'EOF' || status=1
-import asyncio, time
+echo "== event bridge per direction (µs), pinned vs pageable torch copies (GB/s)"
+timeout 90 "$PY" - <<'EOF' || status=1
+import asyncio, os, statistics, time
 import numpy as np, torch
+from _rows import Row, write_rows
 import kvcascade as kc
 from kvcascade.tiers.device import DeviceTier
 
-async def main():
+
+def pct(xs, q):
+    return float(np.percentile(np.array(xs) * 1e6, q))
+
+
+async def bridge(rows):
+    """200 awaited 16-page copies per direction (launch + copy + event -> future bridge) against
+    the same copy on a side stream waited with event.synchronize (no bridge)."""
     host = kc.HostBuffer(64, 4096)
     device = DeviceTier(64, host)
     ids = np.arange(16)
-    lat, direct = [], []
-    for _ in range(200):
-        t0 = time.perf_counter()
-        assert (await device.load(ids, ids)).success
-        lat.append(time.perf_counter() - t0)
-        s = torch.cuda.Stream()
-        with torch.cuda.stream(s):
-            device.kv[:16].copy_(host.tensor()[:16].to("cuda", non_blocking=True))
-        e = torch.cuda.Event(blocking=True); e.record(s)
-        t0 = time.perf_counter(); e.synchronize(); direct.append(time.perf_counter() - t0)
-    us = lambda xs: np.percentile(np.array(xs) * 1e6, [50, 99])
-    print("awaited load (launch+copy+bridge) p50/p99 µs:", us(lat).round(1))
-    print("plain copy + event.synchronize p50/p99 µs: ", us(direct).round(1))
-    device.close(); host.close()
+    stream = torch.cuda.Stream()
+    for name, op in (("h2d", device.load), ("d2h", device.store)):
+        lat, direct = [], []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            assert (await op(ids, ids)).success
+            lat.append(time.perf_counter() - t0)
+            with torch.cuda.stream(stream):
+                if name == "h2d":
+                    device.kv[:16].copy_(host.tensor()[:16], non_blocking=True)
+                else:
+                    host.tensor()[:16].copy_(device.kv[:16], non_blocking=True)
+            event = torch.cuda.Event(blocking=True)
+            event.record(stream)
+            t0 = time.perf_counter()
+            event.synchronize()
+            direct.append(time.perf_counter() - t0)
+        print(f"{name}: awaited p50/p99 {pct(lat, 50):.1f}/{pct(lat, 99):.1f} µs; "
+              f"copy + event.synchronize p50/p99 {pct(direct, 50):.1f}/{pct(direct, 99):.1f} µs")
+        rows.append(Row.of(f"{name} 16x4KiB awaited/event.synchronize p50", pct(lat, 50),
+                           pct(direct, 50), None, "us"))
+    device.close()
+    host.close()
 
-asyncio.run(main())
+
+def host_copies(rows, page=1 << 20, n=128):
+    """One contiguous 128 MiB copy_ between the GPU and a pinned / a pageable host tensor."""
+    gpu = torch.empty(n, page, dtype=torch.int8, device="cuda")
+    got = {}
+    for pinned in (True, False):
+        host = torch.empty(n, page, dtype=torch.int8)
+        host = host.pin_memory() if pinned else host
+        for name, dst, src in (("h2d", gpu, host), ("d2h", host, gpu)):
+            dst.copy_(src)
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                dst.copy_(src, non_blocking=pinned)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            got[(name, pinned)] = n * page / statistics.median(times) / 1e9
+    for name in ("h2d", "d2h"):
+        pinned, pageable = got[(name, True)], got[(name, False)]
+        print(f"torch copy_ {name}: pinned {pinned:.2f} GB/s, pageable {pageable:.2f} GB/s")
+        rows.append(Row.of(f"{name} torch copy_ 128 MiB pinned/pageable", pinned, pageable,
+                           ">= 1.0", "GB/s"))
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device")
+    rows = []
+    asyncio.run(bridge(rows))
+    host_copies(rows)
+    write_rows(os.path.join(os.environ["GPU_ROWS"], "gpu_bridge.json"), "gpu_bridge", rows)
 EOF
 
 echo "== DeviceTier (issue #15): pinned vs pageable GB/s, loop lag, bridge latency per direction"
 timeout 180 "$PY" - <<'EOF' || status=1
-import asyncio, statistics, time
+import asyncio, os, statistics, time
 import numpy as np, torch
+from _rows import Row, write_rows
 import kvcascade as kc
 from kvcascade.tiers.device import DeviceTier
 
@@ -228,14 +288,27 @@ async def per_direction():
 async def main():
     ext = kc.ops.extension_available()  # the build is cached by the build step above
     print(f"extension built: {ext}")
+    got = {}
     for pinned in (True, False):
         gbs, lag = await bandwidth(pinned)
+        got[pinned] = gbs, lag
         label = "pinned  " if pinned else "pageable"
         print(f"{label} h2d {gbs['h2d']:6.2f} GB/s  d2h {gbs['d2h']:6.2f} GB/s  "
               f"loop lag p50/p99/max {lag[0]:.2f}/{lag[1]:.2f}/{lag[2]:.2f} ms")
     us, behind = await per_direction()
     print(f"4-page load during a 128 MiB store: p50/p99 {np.percentile(us, 50):.0f}/"
           f"{np.percentile(us, 99):.0f} µs; waited for the store in {behind}/{len(us)} runs")
+    rows = [
+        Row.of(f"{d} DeviceTier 128 MiB pinned/pageable", got[True][0][d], got[False][0][d],
+               ">= 1.0", "GB/s")
+        for d in ("h2d", "d2h")
+    ]
+    rows.append(Row.of("loop lag p99 during pinned copies", float(got[True][1][1]), None,
+                       "<= 2.0", "ms"))
+    rows.append(Row.of("4-page loads that waited for a 128 MiB store", float(behind), None,
+                       "<= 0", "loads"))
+    write_rows(os.path.join(os.environ["GPU_ROWS"], "gpu_device_tier.json"), "gpu_device_tier",
+               rows)
 
 asyncio.run(main())
 EOF
@@ -252,6 +325,14 @@ from kvcascade.replay.cli import main
 print(f"KV cache device: cuda ({torch.cuda.get_device_name()})")
 sys.exit(main(["replay", "--requests", "2000", "--quiet"]))
 EOF
+
+echo "== ratio table"
+rows=("$GPU_ROWS"/*.json)
+if [ -e "${rows[0]}" ]; then
+    "$PY" benchmarks/run_all.py --table "${rows[@]}" || status=1
+else
+    echo "no ratio rows were written"; status=1
+fi
 
 echo "== done in ${SECONDS}s total since build start, status $status"
 exit $status

@@ -16,7 +16,9 @@ lag can be lower than this baseline's.
 
 Each round stores and loads ``--blocks`` fresh blocks in a new cascade on a fresh directory; the
 percentiles are over every round's samples (one round of 1 GiB lasts < 1 s here: ~400 samples,
-too few for a stable p99).
+too few for a stable p99). ``--quick``: 256 blocks, 2 rounds, a 2 s baseline; ``--json PATH``: the
+p99 lag of each phase against the baseline's p99 (goal <= 1.0: no worse than a bare loop next to
+as many busy threads), in ``benchmarks/_rows.py``'s format.
 
 Like a serving process after start-up (vLLM does the same), it calls ``gc.freeze()`` once the
 heavy modules are imported: a full garbage collection walking torch's objects otherwise stalls
@@ -35,6 +37,7 @@ import threading
 import time
 
 import numpy as np
+from _rows import Row, write_rows
 
 import kvcascade as kc
 
@@ -132,12 +135,17 @@ async def main(args: argparse.Namespace) -> None:
             phases[phase][0].extend(samples)
             phases[phase][1].append(seconds)
     gb = args.blocks * block_bytes / 1e9
+    rows = []
     for phase, (samples, seconds) in phases.items():
         print(
             f"{phase:>5}: {args.rounds} x {gb:.2f} GB, {gb * len(seconds) / sum(seconds):.2f} GB/s "
             f"through the fs tier; loop lag ms p50 {pct(samples, 50):.3f}  "
             f"p99 {pct(samples, 99):.3f}  max {pct(samples, 100):.3f}  ({len(samples)} samples)"
         )
+        name = f"{phase} loop-lag p99 cascade/busy-threads"
+        rows.append(Row.of(name, pct(samples, 99), pct(ref, 99), "<= 1.0", "ms"))
+    if args.json:
+        write_rows(args.json, "loop_lag", rows)
 
 
 if __name__ == "__main__":
@@ -151,7 +159,11 @@ if __name__ == "__main__":
         "--rounds", type=int, default=8, help="store + load rounds, each in a fresh cascade"
     )
     parser.add_argument("--baseline-s", type=float, default=4.0, help="baseline seconds")
+    parser.add_argument("--quick", action="store_true", help="256 blocks, 2 rounds, 2 s baseline")
+    parser.add_argument("--json", help="write the ratio rows here (benchmarks/_rows.py)")
     cli = parser.parse_args()
+    if cli.quick:
+        cli.blocks, cli.rounds, cli.baseline_s = 256, 2, 2.0
     for name in ("blocks", "batch", "io_threads", "rounds"):
         if getattr(cli, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cli, name)}")

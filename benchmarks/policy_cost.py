@@ -10,7 +10,11 @@ turn-aware and adaptive policies the directory and the shadow LRU are included, 
 S3-FIFO their ghosts are not yet filled).
 
     python benchmarks/policy_cost.py [--n 100000] [--runs 3] [--batch 16]
-        [--policies lru,arc,s3fifo,turn_aware,adaptive]
+        [--policies lru,arc,s3fifo,turn_aware,adaptive] [--quick] [--json PATH]
+
+``--json PATH``: each policy's best µs per key against ``lru``'s at the same capacity (goal
+<= 2.0, the bound docs/policies.md measures against) in ``benchmarks/_rows.py``'s format;
+``--quick``: 20,000 keys, 2 runs.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ import tracemalloc
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
+sys.path.append(_HERE)
+
+from _rows import Row, write_rows  # noqa: E402
 
 from kvcascade import CPUOffloadingManager, ReqContext  # noqa: E402
 
@@ -77,10 +84,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--policies", default="lru,arc,s3fifo,turn_aware,adaptive")
+    parser.add_argument("--quick", action="store_true", help="20,000 keys, 2 runs")
+    parser.add_argument("--json", help="write the ratio rows here (benchmarks/_rows.py)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.n, args.runs = 20_000, 2
     keys = _keys(args.n)
+    # lru first: every other policy's row is a ratio to it
+    policies = ["lru", *(p for p in args.policies.split(",") if p != "lru")]
+    lru_best: dict[int, float] = {}
+    rows = []
     print(f"{'policy':<12}{'capacity':>10}{'best µs/key':>13}{'median µs/key':>15}{'B/block':>9}")
-    for policy in args.policies.split(","):
+    for policy in policies:
         mem = _memory(policy, keys, args.batch)
         for capacity in (args.n, args.n // 10):
             times = [_run(policy, keys, capacity, args.batch) for _ in range(args.runs)]
@@ -89,6 +104,13 @@ def main(argv: list[str] | None = None) -> None:
                 f"{policy:<12}{capacity:>10,}{min(per_key):>13.2f}"
                 f"{statistics.median(per_key):>15.2f}{mem:>9.0f}"
             )
+            if policy == "lru":
+                lru_best[capacity] = min(per_key)
+            else:
+                name = f"{policy} capacity {capacity} {policy}/lru"
+                rows.append(Row.of(name, min(per_key), lru_best[capacity], "<= 2.0", "us/key"))
+    if args.json:
+        write_rows(args.json, "policy_cost", rows)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ Usage::
     python benchmarks/s3_tier.py                       # local moto_server
     python benchmarks/s3_tier.py --endpoint http://127.0.0.1:9000 --bucket kv   # MinIO
 
+``--quick``: 32 blocks per size, 2 repeats; ``--json PATH``: the tier/raw rows (no goal: moto
+is the bottleneck, docs/s3-tier.md) in ``benchmarks/_rows.py``'s format.
+
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from typing import Any
 import aiobotocore.session
 import numpy as np
 import torch
+from _rows import Row, write_rows
 from aiobotocore.config import AioConfig
 
 import kvcascade as kc
@@ -217,7 +221,12 @@ async def main() -> None:
     parser.add_argument("--blocks-per-job", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="32 blocks per size, 2 repeats")
+    parser.add_argument("--json", help="write the ratio rows here (benchmarks/_rows.py)")
     args = parser.parse_args()
+    if args.quick:
+        args.blocks, args.repeats = 32, 2
+    rows: list[Row] = []
     # aiohttp warns that a large bytes body may block the loop; the raw side sends bytes on
     # purpose (the cheapest plain usage), so the warning is noise here.
     warnings.filterwarnings("ignore", category=ResourceWarning, module="aiohttp")
@@ -250,6 +259,11 @@ async def main() -> None:
                     f"{r['tier_load']:>10.1f} {r['raw_load']:>10.1f} "
                     f"{r['tier_load'] / r['raw_load']:>6.2f}"
                 )
+                for d in ("store", "load"):
+                    name = f"{d} {text.strip()} tier/raw"
+                    rows.append(Row.of(name, r[f"tier_{d}"], r[f"raw_{d}"], None, "MB/s"))
+    if args.json:
+        write_rows(args.json, "s3_tier", rows)
 
 
 if __name__ == "__main__":

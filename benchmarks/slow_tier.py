@@ -23,6 +23,9 @@ Usage::
     PYTHONPATH=. python benchmarks/slow_tier.py        # 1000 lookups per case
     PYTHONPATH=. python benchmarks/slow_tier.py --lookups 300 --delay 2
 
+``--quick``: 200 lookups, 64 stored blocks, 2 s delay; ``--json PATH``: the p99 row (goal <= 2.0)
+in ``benchmarks/_rows.py``'s format.
+
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from _rows import Row, write_rows
 
 _TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path.insert(0, str(_TESTS))  # the moto server and the fault proxy of the test suite
@@ -159,6 +163,11 @@ async def main(args: argparse.Namespace) -> None:
         print(f"{case:<8} {s['p50']:9.2f} {s['p99']:9.2f} {s['max']:9.2f}  {sources}")
     ratio = stats(results["hung"][0])["p99"] / stats(results["healthy"][0])["p99"]
     print(f"p99 hung / healthy: {ratio:.2f} (goal <= 2)")
+    if args.json:
+        p99 = [stats(results[case][0])["p99"] for case in ("hung", "healthy")]
+        write_rows(
+            args.json, "slow_tier", [Row.of("lookup_prefix p99 hung/healthy", *p99, "<= 2.0", "ms")]
+        )
     hung = results["hung"][1]
     print(
         "s3 tier, hung case: "
@@ -175,7 +184,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stored", type=int, default=256, help="blocks stored beforehand")
     parser.add_argument("--delay", type=float, default=5.0, help="s3 delay when hung, seconds")
     parser.add_argument("--cpu-blocks", type=int, default=64, help="primary tier slots")
-    return parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="200 lookups, 64 stored, 2 s delay")
+    parser.add_argument("--json", help="write the ratio row here (benchmarks/_rows.py)")
+    args = parser.parse_args()
+    if args.quick:
+        args.lookups, args.stored, args.delay = 200, 64, 2.0
+    return args
 
 
 if __name__ == "__main__":

@@ -28,6 +28,9 @@ Usage::
 
     python benchmarks/valkey_tier.py                                  # local redis-server
     python benchmarks/valkey_tier.py --url redis://10.0.0.5:6379      # a server of yours
+
+``--quick``: 16 MiB per size, 2 repeats; ``--json PATH``: the tier/raw rows (no goal,
+docs/valkey-tier.md) in ``benchmarks/_rows.py``'s format.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from collections.abc import Iterator
 import numpy as np
 import redis.asyncio as aioredis
 import torch
+from _rows import Row, write_rows
 
 import kvcascade as kc
 from kvcascade.tiers._block_format import file_size
@@ -188,6 +192,7 @@ async def main(args: argparse.Namespace) -> None:
         "| CPU-s/GB load tier / raw |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    rows: list[Row] = []
     for size in args.sizes.split(","):
         block = parse_size(size)
         r = await bench_size(args, block)
@@ -198,6 +203,10 @@ async def main(args: argparse.Namespace) -> None:
         for d in ("store", "load"):
             cells.append(f"{r[f'cpu_tier_{d}']:.2f} / {r[f'cpu_raw_{d}']:.2f}")
         print("| " + " | ".join(cells) + " |", flush=True)
+        for d in ("store", "load"):
+            rows.append(Row.of(f"{d} {size} tier/raw", r[f"tier_{d}"], r[f"raw_{d}"], None, "GB/s"))
+    if args.json:
+        write_rows(args.json, "valkey_tier", rows)
 
 
 if __name__ == "__main__":
@@ -208,7 +217,11 @@ if __name__ == "__main__":
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--blocks-per-job", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="16 MiB per size, 2 repeats")
+    parser.add_argument("--json", help="write the ratio rows here (benchmarks/_rows.py)")
     arguments = parser.parse_args()
+    if arguments.quick:
+        arguments.mib, arguments.repeats = 16, 2
     if arguments.url:
         asyncio.run(main(arguments))
     else:

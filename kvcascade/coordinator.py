@@ -196,22 +196,23 @@ class TieringCoordinator:
         if entry is None:
             return  # a job from before reset_cache
         job, tier_idx, _ = entry
-        label = self.metrics.tier_label(tier_idx)
+        metrics = self.metrics
+        label = metrics.tier_label(tier_idx)
         if not job.is_promotion:
             self.admission.finished(tier_idx, len(job.keys))
         if result.abandoned:
             self._abandon(job, label)
             return
         if not job.is_promotion:
-            self.metrics.active_cascade_jobs.labels(label).dec()
+            metrics.series(metrics.active_cascade_jobs, label).dec()
             self.primary.complete_load(job.keys)
             if result.success:
-                self.metrics.write_bytes.labels(label).inc(result.transfer_size)
-                self.metrics.write_seconds.labels(label).observe(result.transfer_time)
+                metrics.series(metrics.write_bytes, label).inc(result.transfer_size)
+                metrics.series(metrics.write_seconds, label).observe(result.transfer_time)
             else:
-                self.metrics.cascade_job_failures.labels(label).inc()
+                metrics.series(metrics.cascade_job_failures, label).inc()
             return
-        self.metrics.active_promotion_jobs.labels(label).dec()
+        metrics.series(metrics.active_promotion_jobs, label).dec()
         ok = list(job.keys) if result.success else list(result.successful_keys or ())
         ok = [k for k in ok if self.writes.finish(k, job.job_id)]
         failed = [k for k in job.keys if k not in set(ok) and self.writes.finish(k, job.job_id)]
@@ -222,9 +223,9 @@ class TieringCoordinator:
             self.primary.complete_store(failed, job.req_context, success=False)
         self._send_awaited_writes([*ok, *failed])
         if not result.success:
-            self.metrics.promotion_job_failures.labels(label).inc()
-        self.metrics.read_bytes.labels(label).inc(result.transfer_size)
-        self.metrics.read_seconds.labels(label).observe(result.transfer_time)
+            metrics.series(metrics.promotion_job_failures, label).inc()
+        metrics.series(metrics.read_bytes, label).inc(result.transfer_size)
+        metrics.series(metrics.read_seconds, label).observe(result.transfer_time)
 
     def _hold_for_reader(self, keys: Sequence[bytes], ctx: ReqContext | None) -> None:
         """A promotion landed: pin its blocks for the request that asked for them until it reads
@@ -243,14 +244,15 @@ class TieringCoordinator:
         """A job failed at its deadline while its thread may still touch its primary rows: a
         cascade keeps its read pins, a promotion's keys become misses with their slots
         quarantined, until the tier reports that the thread returned."""
+        metrics = self.metrics
         if job.is_promotion:
-            self.metrics.active_promotion_jobs.labels(label).dec()
-            self.metrics.promotion_job_failures.labels(label).inc()
+            metrics.series(metrics.active_promotion_jobs, label).dec()
+            metrics.series(metrics.promotion_job_failures, label).inc()
             written = [k for k in job.keys if self.writes.finish(k, job.job_id)]
             self.writes.abandon(job.job_id, [], written)
         else:
-            self.metrics.active_cascade_jobs.labels(label).dec()
-            self.metrics.cascade_job_failures.labels(label).inc()
+            metrics.series(metrics.active_cascade_jobs, label).dec()
+            metrics.series(metrics.cascade_job_failures, label).inc()
             self.writes.abandon(job.job_id, job.keys, [])
 
     def _expire_writes(self) -> None:
@@ -282,10 +284,10 @@ class TieringCoordinator:
         """
         self._poll()
         metrics = self.metrics
-        metrics.block_queries.labels("0:primary").inc()
+        metrics.series(metrics.block_queries, "0:primary").inc()
         result = self.primary.lookup(key, ctx)
         if result is _HIT:
-            metrics.block_hits.labels("0:primary").inc()
+            metrics.series(metrics.block_hits, "0:primary").inc()
             state = self._state(ctx)
             if key not in state.lookup_pins:
                 self.primary.prepare_load([key], ctx)
@@ -302,9 +304,9 @@ class TieringCoordinator:
                 tier_result = tier.lookup(key, ctx)
             label = metrics.labels[idx + 1]
             if tier_result is not _RETRY:
-                metrics.block_queries.labels(label).inc()
+                metrics.series(metrics.block_queries, label).inc()
             if tier_result is _HIT:
-                metrics.block_hits.labels(label).inc()
+                metrics.series(metrics.block_hits, label).inc()
                 return _PENDING if self._initiate_promotion(idx, key, ctx) else _MISS
             retry |= tier_result is _RETRY
         return _RETRY if retry else _MISS
@@ -398,13 +400,14 @@ class TieringCoordinator:
 
     def _submit(self, tier_idx: int, job: TransferJob) -> asyncio.Future[JobResult]:
         tier = self.tiers[tier_idx]
-        label = self.metrics.tier_label(tier_idx)
+        metrics = self.metrics
+        label = metrics.tier_label(tier_idx)
         if job.is_promotion:
             fut = tier.submit_load(job)
-            self.metrics.active_promotion_jobs.labels(label).inc()
+            metrics.series(metrics.active_promotion_jobs, label).inc()
         else:
             fut = tier.submit_store(job)
-            self.metrics.active_cascade_jobs.labels(label).inc()
+            metrics.series(metrics.active_cascade_jobs, label).inc()
         self._jobs[job.job_id] = (job, tier_idx, fut)
         fut.add_done_callback(self._signal_events)
         return fut

@@ -1,0 +1,76 @@
+"""The ratio rows every benchmark writes (``benchmarks/_rows.py``), ``benchmarks/run_all.py``'s
+table over them, and a real benchmark subprocess writing them (``policy_cost.py --json``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+
+import run_all
+from _rows import Row, write_rows
+
+BENCH = Path(run_all.__file__).resolve().parent
+
+
+def test_row_ratio_and_goal() -> None:
+    row = Row.of("store 1M kvcascade/vLLM", 3.0, 2.0, ">= 1.0", "GB/s")
+    assert (row.ratio, row.met) == (1.5, True)
+    assert Row.of("x", 1.0, 4.0, ">= 1.0", "GB/s").met is False
+    assert Row.of("x", 1.0, 4.0, "<= 0.5", "us/key").met is True
+    # no baseline: the goal applies to the measured value itself
+    margin = Row.of("margin", -0.001, None, ">= -0.002", "hit ratio")
+    assert (margin.ratio, margin.met) == (None, True)
+    assert Row.of("x", 1.0, 2.0, None, "ms").met is None
+
+
+def test_bad_goal_names_the_goal() -> None:
+    with pytest.raises(ValueError, match="'about 1'"):
+        Row.of("x", 1.0, 2.0, "about 1", "GB/s")
+
+
+def test_write_rows_and_table(tmp_path: Path) -> None:
+    path = tmp_path / "rows.json"
+    write_rows(path, "fs_tier", [Row.of("load 4M kvcascade/vLLM", 1.0, 2.0, ">= 1.0", "GB/s")])
+    doc = json.loads(path.read_text())
+    assert doc["benchmark"] == "fs_tier"
+    assert doc["rows"] == [
+        {
+            "name": "load 4M kvcascade/vLLM",
+            "measured": 1.0,
+            "baseline": 2.0,
+            "ratio": 0.5,
+            "goal": ">= 1.0",
+            "met": False,
+            "unit": "GB/s",
+        }
+    ]
+    failed = {"benchmark": "s3_tier", "error": "failed: exit status 1", "rows": []}
+    lines = run_all.format_table([doc, failed]).splitlines()
+    assert lines[0].split() == ["benchmark", "name", "measured", "baseline", "ratio", "goal", "met"]
+    row = ["fs_tier", "load", "4M", "kvcascade/vLLM", "1", "GB/s", "2", "0.5", ">=", "1.0", "NO"]
+    assert lines[2].split() == row
+    assert lines[3].split()[:2] == ["s3_tier", "(failed:"]
+
+
+def test_a_benchmark_writes_its_rows(tmp_path: Path) -> None:
+    out = tmp_path / "policy_cost.json"
+    env = dict(os.environ, PYTHONPATH=str(BENCH.parent))
+    cmd = [sys.executable, str(BENCH / "policy_cost.py"), "--n", "2000", "--runs", "1"]
+    cmd += ["--policies", "lru,arc", "--json", str(out)]
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "policy_cost"
+    assert [r["name"] for r in doc["rows"]] == [
+        "arc capacity 2000 arc/lru",
+        "arc capacity 200 arc/lru",
+    ]
+    for row in doc["rows"]:
+        assert row["ratio"] == pytest.approx(row["measured"] / row["baseline"])
+        assert row["goal"] == "<= 2.0" and row["unit"] == "us/key"
