@@ -50,12 +50,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +88,7 @@ class Size:
 
 
 SIZES = {
-    "tiny": Size(128, 2, 4, 2, 256, 8, 96),
+    "tiny": Size(128, 2, 4, 2, 256, 8, 72),
     "quick": Size(512, 4, 8, 2, 1024, 24, 96),
     "full": Size(1024, 8, 16, 4, 2048, 64, 128),
 }
@@ -518,9 +517,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=sorted(SIZES), help="model size (default: full)")
     parser.add_argument("--requests", type=int, help="conversation requests (default: by size)")
     parser.add_argument("--scale", type=float, default=1 / 16, help="token scale (512*scale/id)")
-    parser.add_argument("--speedup", type=float, default=100.0, help="trace time compression")
+    parser.add_argument("--speedup", type=float, default=1000.0, help="trace time compression")
     parser.add_argument("--cpu-mib", type=int, default=1024, help="kvcascade's CPU tier, MiB")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset")
+    parser.add_argument(
+        "--configs", help="comma-separated subset (default: all; --quick: all but the peers)"
+    )
     parser.add_argument("--fs-dir", help="fs tier root (default: a temporary directory)")
     parser.add_argument("--vllm-python", default=sys.executable, help="python with vLLM 0.32")
     parser.add_argument("--json", help="write the ratio rows (benchmarks/_rows.py) here")
@@ -529,12 +530,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     size_name = args.size or ("quick" if args.quick else "full")
     size = SIZES[size_name]
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    default = [c for c in CONFIGS if not (args.quick and c in PEERS)]
+    configs = [c.strip() for c in args.configs.split(",")] if args.configs else default
     bad = [c for c in configs if c not in CONFIGS]
     if bad or "vllm" not in configs:
         parser.error(f"--configs must include 'vllm' and name only {CONFIGS}, got {args.configs!r}")
     if args.speedup <= 0 or args.cpu_mib <= 0:
         parser.error(f"--speedup and --cpu-mib must be > 0, got {args.speedup}, {args.cpu_mib}")
+    if args.fs_dir and Path(args.fs_dir).exists() and any(Path(args.fs_dir).iterdir()):
+        parser.error(f"--fs-dir {args.fs_dir!r} is not empty (the run starts on an empty fs tier)")
     try:
         workload = conversation_workload(args.requests or size.requests, args.scale)
     except ValueError as exc:
@@ -542,14 +546,12 @@ def main(argv: list[str] | None = None) -> int:
     longest = max(len(r["prompt"]) + r["max_tokens"] for r in workload)
     max_len = max(longest, PROBE_TOKENS + 1)
     max_len = -(-max_len // BLOCK) * BLOCK
-    if max_len > size.engine_blocks * BLOCK:
-        parser.error(f"a request of {max_len} tokens does not fit {size.engine_blocks} blocks")
+    # The engine's KV cache: the size's blocks, or the longest request's when that is more.
+    size = replace(size, engine_blocks=max(size.engine_blocks, max_len // BLOCK))
     with tempfile.TemporaryDirectory(prefix="kvc-serving-") as tmp:
         work = Path(tmp)
         _write_model(work / "model", size, max_len)
         fs_dir = args.fs_dir or str(work / "fs")
-        if args.fs_dir:
-            shutil.rmtree(fs_dir, ignore_errors=True)
         common = {
             "size": size.__dict__,
             "model": str(work / "model"),
