@@ -546,8 +546,9 @@ def main(argv: list[str] | None = None) -> int:
     longest = max(len(r["prompt"]) + r["max_tokens"] for r in workload)
     max_len = max(longest, PROBE_TOKENS + 1)
     max_len = -(-max_len // BLOCK) * BLOCK
-    # The engine's KV cache: the size's blocks, or the longest request's when that is more.
-    size = replace(size, engine_blocks=max(size.engine_blocks, max_len // BLOCK))
+    # The engine's KV cache: the size's blocks, or the longest request's (+ vLLM's null block
+    # and one spare: with exactly max_len vLLM refuses to start) when that is more.
+    size = replace(size, engine_blocks=max(size.engine_blocks, max_len // BLOCK + 2))
     with tempfile.TemporaryDirectory(prefix="kvc-serving-") as tmp:
         work = Path(tmp)
         _write_model(work / "model", size, max_len)
@@ -576,11 +577,11 @@ def main(argv: list[str] | None = None) -> int:
             took = time.perf_counter() - t
             if "error" in r:
                 print(f"{config}: refused/failed in {took:.0f} s: {r['error'][:600]}", flush=True)
+                if config == "vllm":
+                    print("the vllm baseline failed; no report", file=sys.stderr)
+                    return 1
             else:
                 print(f"{config}: {took:.0f} s (engine start {r['start_s']:.0f} s)", flush=True)
-    if "error" in results["vllm"]:
-        print("the vllm baseline failed; no report", file=sys.stderr)
-        return 1
     base_tokens = [q["tokens"] for q in results["vllm"]["requests"]]
     for r in results.values():
         if "error" not in r:
