@@ -484,6 +484,7 @@ def _plot(results: dict[str, dict[str, Any]], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     fig, (cdf, share) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, r in results.items():
@@ -502,6 +503,7 @@ def _plot(results: dict[str, dict[str, Any]], path: str) -> None:
             ys.append(cached / prompt)
         share.plot(xs, ys, label=name)
     cdf.set(xscale="log", xlabel="TTFT (s)", ylabel="fraction of requests", title="TTFT CDF")
+    cdf.xaxis.set_minor_formatter(NullFormatter())
     share.set(xlabel="time since the first arrival (s)", ylabel="cached prompt tokens / prompt "
               "tokens (cumulative)", title="Cached-token share over time")  # fmt: skip
     cdf.legend()
