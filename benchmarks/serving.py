@@ -283,6 +283,8 @@ def _engine_main(spec: dict[str, Any]) -> dict[str, Any]:
         return time.perf_counter() - t
 
     ttft("warmup", _block_tokens(1 << 40, 256))
+    own = 1 << 42 | sum(config.encode())  # a prompt no other configuration sends
+    recompute = ttft("recompute", _block_tokens(own, PROBE_TOKENS))
     probe = _block_tokens(1 << 41, PROBE_TOKENS)
     probe_first = ttft("probe-1", probe)
     llm.reset_prefix_cache()  # the GPU prefix cache only: kvcascade's tiers keep the probe
@@ -308,6 +310,7 @@ def _engine_main(spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "config": config,
         "start_s": start_s,
+        "recompute_s": recompute,
         "probe_first_s": probe_first,
         "probe_again_s": probe_again,
         **result,
@@ -409,29 +412,16 @@ def _run_engine(python: str, spec: dict[str, Any], workdir: Path) -> dict[str, A
 
 def _rows(results: dict[str, dict[str, Any]]) -> list[Row]:
     base = results["vllm"]
-    rows = [
-        Row.of("probe 2k TTFT, recompute (vllm)", base["probe_first_s"] * 1e3, None, None, "ms"),
-    ]
-    if "error" not in results.get("kvc-cpu", {"error": 1}):
-        rows.append(
-            Row.of(
-                "probe 2k TTFT cached from CPU tier / recompute",
-                results["kvc-cpu"]["probe_again_s"] * 1e3,
-                base["probe_first_s"] * 1e3,
-                "<= 0.1",
-                "ms",
-            )
-        )
-    if "error" not in results.get("kvc-fs-restart", {"error": 1}):
-        rows.append(
-            Row.of(
-                "probe 2k TTFT cached from fs tier (restart) / recompute",
-                results["kvc-fs-restart"]["probe_first_s"] * 1e3,
-                base["probe_first_s"] * 1e3,
-                "<= 0.2",
-                "ms",
-            )
-        )
+    rows = [Row.of("probe 2k TTFT, recompute (vllm)", base["recompute_s"] * 1e3, None, None, "ms")]
+    # Cached vs recompute in the same engine, seconds apart (the machine's load drifts).
+    for config, key, tier, goal in (
+        ("kvc-cpu", "probe_again_s", "CPU tier", "<= 0.1"),
+        ("kvc-fs-restart", "probe_first_s", "fs tier (restart)", "<= 0.2"),
+    ):
+        r = results.get(config, {"error": "not run"})
+        if "error" not in r:
+            name = f"probe 2k TTFT cached from {tier} / recompute"
+            rows.append(Row.of(name, r[key] * 1e3, r["recompute_s"] * 1e3, goal, "ms"))
     for name, r in results.items():
         if "error" in r:
             continue
@@ -601,7 +591,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{name}: {r['outputs_equal_vllm']}/{len(r['requests'])} outputs equal vllm's; "
                 f"{r['steps']} steps, step p50 {r['step_us_p50']:.0f} us; "
-                f"probe {r['probe_first_s'] * 1e3:.0f} ms then {r['probe_again_s'] * 1e3:.0f} ms"
+                f"2k TTFT: recompute {r['recompute_s'] * 1e3:.0f} ms, probe "
+                f"{r['probe_first_s'] * 1e3:.0f} ms, again {r['probe_again_s'] * 1e3:.0f} ms"
             )
     if args.json:
         write_rows(args.json, "serving", rows)
