@@ -16,8 +16,11 @@ is the system prompt every request shares) in trace order, up to ``--requests`` 
 each hash id becomes the same deterministic run of ``512 * scale`` token ids wherever it occurs;
 input and output lengths are scaled by ``--scale``; arrival order kept, time compressed by
 ``--speedup``, and a conversation's next turn arrives no earlier than its previous turn's end
-(a chat user reads the answer first). Probe: one 2k-token prompt sent, then sent again after
-the GPU prefix cache is reset (``LLM.reset_prefix_cache()``, kvcascade's tiers kept).
+(a chat user reads the answer first). Probe, before the workload: the TTFT of a 2k-token
+prompt no other configuration sends (recompute), then of one shared 2k-token prompt, sent again
+after the GPU prefix cache is reset (``LLM.reset_prefix_cache()``, kvcascade's tiers kept): from
+kvcascade's CPU tier in ``kvc-cpu``; from the fs tier, first time, in ``kvc-fs-restart``. Each
+cached TTFT is a ratio to the recompute in the same engine, seconds before.
 
 Configurations (same engine settings, one process each, in this order):
 
