@@ -217,11 +217,11 @@ class _LagSampler:
 
 
 def _percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in [0, 100]); NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+    """``numpy.percentile`` (linear, ``q`` in [0, 100], as ``benchmarks/loop_lag.py``); NaN for
+    no values."""
+    import numpy as np
+
+    return float(np.percentile(values, q)) if values else float("nan")
 
 
 def _engine_main(spec: dict[str, Any]) -> dict[str, Any]:
