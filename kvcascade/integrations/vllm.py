@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
@@ -732,6 +732,28 @@ class _WorkerSide:
 
 
 # -- the connector -------------------------------------------------------------------------------
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _scheduler_hook(
+    fn: Callable[Concatenate[KVCascadeConnector, _P], _R],
+) -> Callable[Concatenate[KVCascadeConnector, _P], _R]:
+    """Adds a scheduler-side hook's wall time (``time.perf_counter``, seconds) to the
+    connector's ``scheduler_seconds`` (:meth:`KVCascadeConnector.transfer_stats`): the time
+    vLLM's scheduler thread spends inside kvcascade, whatever it waited for."""
+
+    @functools.wraps(fn)
+    def timed(self: KVCascadeConnector, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        start = time.perf_counter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self._scheduler_seconds += time.perf_counter() - start
+
+    return timed
+
+
 class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
     """kvcascade's GPU → CPU → secondary-tier offload as a vLLM v1 KV connector.
 
@@ -754,6 +776,7 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
         events = vllm_config.kv_events_config
         self._publish_events = bool(events is not None and events.enable_kv_cache_events)
         self._stats_deltas = StatsDeltas()
+        self._scheduler_seconds = 0.0
         if role == KVConnectorRole.SCHEDULER:
             self._sched_side = _SchedulerSide(setup)
         else:
@@ -782,9 +805,11 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
         return self._sched_side.loop.call(fn, *args)
 
     # -- scheduler hooks ----------------------------------------------------------------------
+    @_scheduler_hook
     def on_new_request(self, request: Request) -> None:
         self.scheduler.on_new_request(_RequestView(request))
 
+    @_scheduler_hook
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -797,6 +822,7 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
             log.exception("kvcascade lookup failed for %s; treating as a miss", request.request_id)
             return 0, False
 
+    @_scheduler_hook
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
@@ -808,6 +834,7 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
             request.request_id, group_blocks, num_external_tokens
         )
 
+    @_scheduler_hook
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVCascadeMetadata:
         gids = self._setup.group_ids
         # The flag is "resumed" on vLLM 0.32 (new requests: False) and "is_full_table" on 0.33
@@ -833,6 +860,7 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
             plan = StepPlan()
         return KVCascadeMetadata(plan.load_jobs, plan.store_jobs, plan.jobs_to_flush)
 
+    @_scheduler_hook
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, KVCascadeWorkerMetadata):
@@ -843,6 +871,7 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
         except Exception:
             log.exception("kvcascade: applying transfer results failed")
 
+    @_scheduler_hook
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -857,6 +886,7 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished(request, [])
 
+    @_scheduler_hook
     def has_pending_push_work(self) -> bool:
         """True while the engine must keep stepping for kvcascade (vLLM's ``Scheduler.has_requests``
         and, at shutdown, ``EngineCore.has_work`` read it): a GPU→CPU store not yet acknowledged
@@ -868,6 +898,7 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
             log.exception("kvcascade: has_pending_work failed")
             return False
 
+    @_scheduler_hook
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The tiers' stored/removed events since the last call as vLLM ``BlockStored`` /
         ``BlockRemoved`` (``_vllm_events``) when vLLM publishes KV events
@@ -902,12 +933,14 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
             "allocation_failures": s.allocation_failures,
             "load_prepare_failures": s.load_prepare_failures,
             "lookup_sync_seconds": s.lookup_sync_seconds,
+            "scheduler_seconds": self._scheduler_seconds,
             "load_bytes": t.load_bytes,
             "store_bytes": t.store_bytes,
             "load_seconds": t.load_seconds,
             "store_seconds": t.store_seconds,
         }
 
+    @_scheduler_hook
     def get_kv_connector_stats(self) -> OffloadingConnectorStats | None:
         """This step's increase of :meth:`transfer_stats` and of the coordinator's per-tier
         metrics, for vLLM's ``/metrics`` (``_vllm_metrics``); None on the worker side and in a

@@ -20,12 +20,14 @@ _MAX_ID = 1 << 64  # block ids become 8-byte block hashes
 
 @dataclass(frozen=True)
 class TraceRequest:
-    """One request: arrival ``timestamp_ms``, ``input_length`` tokens, chained ``hash_ids``."""
+    """One request: arrival ``timestamp_ms``, ``input_length`` tokens, chained ``hash_ids``,
+    ``output_length`` generated tokens (0 when the line has none)."""
 
     index: int
     timestamp_ms: int
     input_length: int
     hash_ids: tuple[int, ...]
+    output_length: int = 0
 
 
 def bundled_trace() -> Path:
@@ -94,11 +96,14 @@ def _iter_trace(path: Path, limit: int | None) -> Iterator[TraceRequest]:
                 )
             ts = record.get("timestamp", 0)
             length = record.get("input_length", len(ids) * TOKENS_PER_BLOCK)
+            output = record.get("output_length", 0)
             if not is_number(ts) or not math.isfinite(ts) or not is_int(length):
                 raise TraceError(
                     f"{path}:{lineno}: bad timestamp {ts!r} or input_length {length!r}"
                 )
-            yield TraceRequest(count, int(ts), length, tuple(ids))
+            if not is_int(output) or output < 0:
+                raise TraceError(f"{path}:{lineno}: bad output_length {output!r}")
+            yield TraceRequest(count, int(ts), length, tuple(ids), output)
             count += 1
     if count == 0:
         raise TraceError(f"trace {str(path)!r} has no requests")

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -157,6 +158,18 @@ def test_tokens_equal_and_cpu_reload(
             f"\nwithout offload: {baseline['prompt']}\nwith offload:    {again} "
             f"(num_cached_tokens={cached})"
         )
+
+
+def test_scheduler_seconds_counts_the_hooks_time(offload_llm: LLM) -> None:
+    """``transfer_stats()["scheduler_seconds"]`` grows with each generate (the connector's
+    scheduler hooks ran) and stays below that generate's wall time (it is part of it)."""
+    connector = scheduler_connector(offload_llm)
+    before = connector.transfer_stats()["scheduler_seconds"]
+    start = time.perf_counter()
+    generate(offload_llm, [(i * 5) % 977 + 2 for i in range(70)])  # a prompt of its own
+    wall = time.perf_counter() - start
+    spent = connector.transfer_stats()["scheduler_seconds"] - before
+    assert 0.0 < spent < wall
 
 
 def test_blocks_come_back_from_fs_after_cpu_reset(

@@ -241,6 +241,16 @@ def test_malformed_trace_line_names_line(tmp_path: Path) -> None:
         read_trace(bad)
 
 
+def test_output_length_is_read_and_checked(tmp_path: Path) -> None:
+    assert read_trace(bundled_trace(), limit=2)[1].output_length == 490  # the file's 2nd line
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"hash_ids": [1]}\n')
+    assert read_trace(trace)[0].output_length == 0
+    trace.write_text('{"hash_ids": [1], "output_length": -3}\n')
+    with pytest.raises(TraceError, match=r"t.jsonl:1: bad output_length -3"):
+        read_trace(trace)
+
+
 def test_negative_size_exits_nonzero_without_traceback() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "kvcascade.replay.cli", "replay", "--cpu-blocks", "-5"],
