@@ -26,9 +26,11 @@ costs no learning of its own).
   the turn-aware order with all values equal) and everything is admitted. The model keeps
   learning from every request. It switches to turn-aware mode (:class:`TurnAwareCachePolicy`)
   when the turn-aware shadow leads by ``confidence`` standard deviations, ``L > confidence ×
-  √Q``, and back as soon as it trails, ``L < 0``. LRU is what the never-below rule of issue
-  #19 compares with, hence the asymmetry. No hit is spent on finding out: the real cache never
-  tries a mode the shadows have not shown to win.
+  √Q``, and back when its lead falls below half that, ``L < confidence / 2 × √Q`` (the
+  hysteresis keeps a lead near the threshold from flapping the mode: each switch costs the
+  hits of a cache turning over to the other mode's contents). LRU is what the never-below
+  rule of issue #19 compares with, hence the bias towards it. No hit is spent on finding out:
+  the real cache never tries a mode the shadows have not shown to win.
 
 Hints: the shadow turn-aware cache and turn-aware mode use them as ``turn_aware`` does (the
 class carries them); the shadow LRU and LRU mode ignore them.
@@ -149,7 +151,7 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
         max_sampling: at most this sampling divisor ``k`` (≥ 1; default 32).
         window_factor: the comparison window in turnover times ``H`` (> 0; default 4).
         confidence: standard deviations the turn-aware shadow must lead by before the real
-            cache follows it (≥ 0; default 2).
+            cache follows it (≥ 0; default 2); it goes back to LRU below half of that.
         **kwargs: the :class:`TurnAwareCachePolicy` parameters (``admission_margin``, …).
 
     Attributes:
@@ -213,7 +215,7 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
             if self.lru_mode:
                 if self._lead > self.confidence * math.sqrt(self._square):
                     self._switch(False)
-            elif self._lead < 0:
+            elif self._lead < 0.5 * self.confidence * math.sqrt(self._square):
                 self._switch(True)
         return request
 
