@@ -4,12 +4,11 @@
 fitted on the Mooncake conversation trace; on a workload where it does not hold (memoryless
 turns, say: ``benchmarks/policy_suite.py``'s ``turns_geometric``) its admission and ranking
 lose hits to plain LRU. This policy runs the turn-aware policy in one of two modes and decides
-between them with **miniature simulations** (Waldspurger et al., "Cache Modeling and
-Optimization using Miniature Simulations", USENIX ATC 2017; the spatial sampling of SHARDS,
-FAST 2015): two shadow caches of ``capacity / k`` blocks fed the same hash-sampled ``1 / k`` of
-the conversations — a **shadow LRU** (keys only) and a **shadow turn-aware cache** (its own
-residency, heaps and admission; the real policy's directory, statistics and clock, so it
-costs no learning of its own).
+between them with **miniature simulations** (as in Waldspurger et al., USENIX ATC 2017;
+docs/policies.md has the design and its measurements): two shadow caches of ``capacity / k``
+blocks fed the same hash-sampled ``1 / k`` of the conversations — a **shadow LRU** (keys only)
+and a **shadow turn-aware cache** (its own residency, heaps and admission; the real policy's
+directory, statistics and clock, so it costs no learning of its own).
 
 * **Sampling.** A request that continues an earlier turn (``_Request.prev``) is sampled if
   that turn was; any other by ``crc32(last key) mod k == 0``. A conversation's turns are
@@ -34,6 +33,12 @@ costs no learning of its own).
 
 Hints: the shadow turn-aware cache and turn-aware mode use them as ``turn_aware`` does (the
 class carries them); the shadow LRU and LRU mode ignore them.
+
+Cost per request on its first touch: one ``crc32`` and two ordered-dict operations (the sample
+flags of its prompt ends, at most ``directory_size`` of them); for a sampled request the two
+shadows' work — so per key about ``1 / k`` of an LRU and a turn-aware cache on top of the
+turn-aware policy itself (with ``k = 1``, caches under ``2 × shadow_blocks``, twice that).
+Memory: the shadows' entries (``1 / k`` of the real ones) and one entry per prompt end.
 """
 
 from __future__ import annotations
