@@ -454,12 +454,16 @@ def test_adaptive_samples_whole_conversations() -> None:
 
 
 def test_adaptive_follows_the_shadow_that_wins() -> None:
-    """Shadow turn-aware ahead by ``confidence`` standard deviations: turn-aware mode; its lead
-    below half of that: LRU mode again (the counters decay but are never reset)."""
+    """Shadow turn-aware ahead by ``confidence`` standard deviations after a whole window of
+    reads: turn-aware mode; its lead below half of that: LRU mode again (the counters decay
+    but are never reset)."""
     policy = AdaptiveCachePolicy(64)
     lead = policy.confidence * 3.0  # √Q of one difference of 3 blocks is 3
     policy._lead, policy._square = lead + 1.0, 9.0
-    policy.touch([b"r", b"a"], ReqContext("1"))  # a tie (both shadows miss): d = 0
+    policy.touch([b"r", b"a"], ReqContext("0"))  # a tie (both shadows miss): d = 0
+    assert policy.lru_mode and policy.switches == 0  # 2 reads: not a window (4 × 64) yet
+    policy._seen = policy.window_factor * policy.turnover()
+    policy.touch([b"r", b"c"], ReqContext("1"))  # r hits in both shadows: d = 0
     assert not policy.lru_mode and policy.switches == 1
     policy._lead = 0.4 * lead
     policy.touch([b"r", b"b"], ReqContext("2"))

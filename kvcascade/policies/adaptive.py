@@ -25,11 +25,15 @@ directory, statistics and clock, so it costs no learning of its own).
   the turn-aware order with all values equal) and everything is admitted. The model keeps
   learning from every request. It switches to turn-aware mode (:class:`TurnAwareCachePolicy`)
   when the turn-aware shadow leads by ``confidence`` standard deviations, ``L > confidence ×
-  √Q``, and back when its lead falls below half that, ``L < confidence / 2 × √Q`` (the
-  hysteresis keeps a lead near the threshold from flapping the mode: each switch costs the
-  hits of a cache turning over to the other mode's contents). LRU is what the never-below
-  rule of issue #19 compares with, hence the bias towards it. No hit is spent on finding out:
-  the real cache never tries a mode the shadows have not shown to win.
+  √Q``, once a whole window of block reads has been seen (before that, ``Q`` of a few small
+  differences understates the variance of a heavy-tailed workload: one long conversation can
+  turn a 2σ lead into a loss; ``benchmarks/policy_suite.py --seed 1``'s ``turns_decreasing``
+  10 % fell 0.010 below LRU without this rule), and back when its lead falls below half
+  that, ``L < confidence / 2 × √Q`` (the hysteresis keeps a lead near the threshold from
+  flapping the mode: each switch costs the hits of a cache turning over to the other mode's
+  contents). LRU is what the never-below rule of issue #19 compares with, hence the bias
+  towards it. No hit is spent on finding out: the real cache never tries a mode the shadows
+  have not shown to win.
 
 Hints: the shadow turn-aware cache and turn-aware mode use them as ``turn_aware`` does (the
 class carries them); the shadow LRU and LRU mode ignore them.
@@ -198,6 +202,7 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
         self.switches = 0
         self._lead = 0.0  # decayed Σ (turn-aware shadow − LRU shadow) leading hits
         self._square = 0.0  # decayed Σ of their squares
+        self._seen = 0  # block reads so far
 
     def _classify(self, keys: list[bytes], ctx: ReqContext | None) -> _Request:
         request = super()._classify(keys, ctx)
@@ -210,7 +215,9 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
             ends.move_to_end(key)
         while len(ends) > self.directory_size:
             ends.popitem(last=False)
-        decay = math.exp(-len(keys) / (self.window_factor * self.turnover()))
+        window = self.window_factor * self.turnover()
+        self._seen += len(keys)
+        decay = math.exp(-len(keys) / window)
         self._lead *= decay
         self._square *= decay
         if sampled:
@@ -218,7 +225,8 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
             self._lead += diff
             self._square += diff * diff
             if self.lru_mode:
-                if self._lead > self.confidence * math.sqrt(self._square):
+                significant = self._lead > self.confidence * math.sqrt(self._square)
+                if significant and self._seen >= window:
                     self._switch(False)
             elif self._lead < 0.5 * self.confidence * math.sqrt(self._square):
                 self._switch(True)
@@ -241,4 +249,5 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
         self._shadow_lru.clear()
         self._sampled.clear()
         self._lead = self._square = 0.0
+        self._seen = 0
         self.lru_mode = True
