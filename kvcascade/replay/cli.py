@@ -95,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     rp.add_argument(
         "--eviction-policy",
-        help="CPU tier eviction policy (default lru; arc, turn_aware, adaptive, …)",
+        help="CPU tier eviction policy (default adaptive; lru, arc, turn_aware, …)",
     )
     rp.add_argument("--config", help="JSON object (or @file) of kv_connector_extra_config keys")
     rp.add_argument("--json", dest="json_path", help="write the report as JSON to this path")
