@@ -93,7 +93,9 @@ class CascadeConfig:
             (``cpu_bytes_to_use // round_up(block_bytes, PAGE_SIZE)``, vLLM's
             ``kv_offload/cpu/spec.py``).
         cpu_bytes_to_use: primary-tier budget in bytes (vLLM's key).
-        eviction_policy: primary-tier policy name or ``"module:Class"``.
+        eviction_policy: primary-tier policy name or ``"module:Class"`` (default
+            ``"adaptive"``: turn-aware while a miniature simulation says it beats LRU, else LRU;
+            docs/policies.md; ``"lru"`` is vLLM's default).
         secondary_tiers: list of tier dicts, each with ``type`` (``fs``, ``memory``/``example``,
             a registered type, or a class name with ``module_path``) and that tier's keys, in
             cascade order; ``name`` (default: the type) must be unique.
@@ -107,7 +109,7 @@ class CascadeConfig:
     gpu_blocks: int = 1024
     cpu_blocks: int | None = None
     cpu_bytes_to_use: int | None = None
-    eviction_policy: str = "lru"
+    eviction_policy: str = "adaptive"
     secondary_tiers: list[dict[str, Any]] = field(default_factory=list, repr=False)
     model_name: str = "kvcascade-replay"
     cache_salt: str | None = None

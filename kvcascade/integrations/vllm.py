@@ -297,7 +297,10 @@ def _setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> _Setup:
         raise ValueError("secondary_tiers needs spec_name 'TieringOffloadingSpec'")
     if int(extra.get("store_threshold", 0)) >= 2:
         raise ValueError("store_threshold >= 2 (reuse filtering) is not supported by kvcascade")
-    resolve_cache_policy(extra.get("eviction_policy", "lru"), extra.get("cache_policy_module_path"))
+    resolve_cache_policy(
+        extra.get("eviction_policy", CascadeConfig.eviction_policy),
+        extra.get("cache_policy_module_path"),
+    )
     offload = build_offloading_config(vllm_config, kv_cache_config)
     k = offload.cache.blocks_per_chunk
     par = offload.parallel

@@ -1,144 +1,240 @@
-"""Turn-aware eviction that follows LRU while a shadow LRU beats it (issue #19).
+"""Turn-aware or LRU eviction, whichever a miniature simulation says wins (issue #19).
 
 ``turn_aware``'s model (the turn number and the new blocks of a request predict re-reads) was
 fitted on the Mooncake conversation trace; on a workload where it does not hold (memoryless
 turns, say: ``benchmarks/policy_suite.py``'s ``turns_geometric``) its admission and ranking
-lose hits to plain LRU. This policy runs the turn-aware policy and, beside it, a **shadow
-LRU**: the keys an LRU cache of the same capacity would hold, fed the same requests (keys
-only, no slots, no hints). On each request's first ``touch`` it counts the request's leading
-hits in the real cache and in the shadow, and keeps, in an exponentially decaying window of
-``window_factor`` × the cache's turnover time ``H`` (block reads), the lead ``L = Σ (real −
-shadow)``, the spread ``S = Σ |real − shadow|`` and the reads ``R``. Two modes:
+lose hits to plain LRU. This policy runs the turn-aware policy in one of two modes and decides
+between them with **miniature simulations** (as in Waldspurger et al., USENIX ATC 2017;
+docs/policies.md has the design and its measurements): two shadow caches of ``capacity / k``
+blocks fed the same hash-sampled ``1 / k`` of the conversations — a **shadow LRU** (keys only)
+and a **shadow turn-aware cache** (its own residency, heaps and admission; the real policy's
+directory, statistics and clock, so it costs no learning of its own).
 
-* **LRU mode** (the start — an untrained model has nothing to offer): every block is worth
-  the same, so eviction goes oldest first (deepest first within a request, leaves first: the
-  turn-aware order with all values equal) and everything is admitted; the real cache
-  converges to the shadow's. The model keeps learning from every request. After ``probe``
-  block reads in this mode — first ``probe_factor`` windows — it **probes** turn-aware mode.
-* **turn-aware mode**: the policy of :class:`TurnAwareCachePolicy`. When the real cache trails
-  the shadow, ``L < −switch_margin × R − 2 √S`` (beyond the margin by two standard deviations
-  of a Poisson count), it switches to LRU mode; a probe that fails this way doubles the next
-  ``probe``, one that lasts ``probe`` reads resets it to the base.
+* **Sampling.** A request that continues an earlier turn (``_Request.prev``) is sampled if
+  that turn was; any other by ``crc32(last key) mod k == 0``. A conversation's turns are
+  therefore all in the sample or all out, and a shadow sees whole conversations, as the real
+  cache does. ``k = capacity // shadow_blocks`` clamped to ``1 … max_sampling``: the shadows
+  hold at least ``shadow_blocks`` blocks (a tiny shadow misjudges long prompts) and cost about
+  ``1 / k`` of a real cache per key.
+* **What it measures.** Per sampled request the difference ``d`` of the leading hits of the
+  two shadows (turn-aware − LRU). In an exponentially decaying window of ``window_factor × H``
+  block reads (``H``: the turnover time of ``turn_aware``) it keeps the lead ``L = Σ d`` and
+  ``Q = Σ d²`` (the variance of ``L`` were the two equal).
+* **Modes.** LRU mode (the start: an untrained model has nothing to offer) — every block is
+  worth the same, so eviction goes oldest first (deepest first within a request, leaves first:
+  the turn-aware order with all values equal) and everything is admitted. The model keeps
+  learning from every request. It switches to turn-aware mode (:class:`TurnAwareCachePolicy`)
+  when the turn-aware shadow leads by ``confidence`` standard deviations, ``L > confidence ×
+  √Q``, once a whole window of block reads has been seen (before that, ``Q`` of a few small
+  differences understates the variance of a heavy-tailed workload: one long conversation can
+  turn a 2σ lead into a loss; ``benchmarks/policy_suite.py --seed 1``'s ``turns_decreasing``
+  10 % fell 0.010 below LRU without this rule), and back when its lead falls below half
+  that, ``L < confidence / 2 × √Q`` (the hysteresis keeps a lead near the threshold from
+  flapping the mode: each switch costs the hits of a cache turning over to the other mode's
+  contents). LRU is what the never-below rule of issue #19 compares with, hence the bias
+  towards it. No hit is spent on finding out: the real cache never tries a mode the shadows
+  have not shown to win.
 
-The counters restart at every switch. Cost per key: two dict operations of the shadow and one
-of the real cache on a request's first touch; memory one ordered-dict entry (≈ 100 B) per
-shadow key (at most ``cache_capacity``).
+Hints: the shadow turn-aware cache and turn-aware mode use them as ``turn_aware`` does (the
+class carries them); the shadow LRU and LRU mode ignore them.
+
+Cost per request on its first touch: one ``crc32`` and two ordered-dict operations (the sample
+flags of its prompt ends, at most ``directory_size`` of them); for a sampled request the two
+shadows' work — so per key about ``1 / k`` of an LRU and a turn-aware cache on top of the
+turn-aware policy itself (with ``k = 1``, caches under ``2 × shadow_blocks``, twice that).
+Memory: the shadows' entries (``1 / k`` of the real ones) and one entry per prompt end.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from collections import OrderedDict
 
 from .._types import ReqContext
-from .turn_aware import TurnAwareCachePolicy, _Entry, _Request
+from .base import BlockStatus
+from .turn_aware import (
+    TurnAwareCachePolicy,
+    _ClassStats,
+    _Counts,
+    _Entry,
+    _prompt_ends,
+    _Request,
+)
 
-#: Standard deviations the real cache must trail the shadow by, beyond the margin, before it
-#: switches (block hits taken as Poisson: the deviation of the lead is ``√Σ|real − shadow|``).
-_Z = 2.0
+#: One idle status shared by every block of a shadow (shadow blocks are never pinned).
+_IDLE = BlockStatus(-1, 0)
+
+
+class _ShadowLRU:
+    """The keys an LRU cache of ``capacity`` blocks would hold under the free rules of
+    ``kvcascade replay --compare-policies`` (a request's keys become the most recent, its
+    first key last)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+
+    def step(self, keys: list[bytes]) -> int:
+        """Read ``keys``: return the leading hits, then store them."""
+        shadow = self._keys
+        hits = 0
+        for key in keys:
+            if key not in shadow:
+                break
+            hits += 1
+        move = shadow.move_to_end
+        for key in reversed(keys):
+            shadow[key] = None
+            move(key)
+        while len(shadow) > self.capacity:
+            shadow.popitem(last=False)
+        return hits
+
+    def clear(self) -> None:
+        self._keys.clear()
+
+
+class _ShadowTurnAware(TurnAwareCachePolicy):
+    """A turn-aware cache of ``capacity`` blocks over the sampled requests: residency, heaps
+    and admission of its own; directory, class statistics, re-read shape and clock of
+    ``model`` (which has classified each request before the shadow reads it)."""
+
+    def __init__(self, model: TurnAwareCachePolicy, capacity: int) -> None:
+        super().__init__(
+            capacity,
+            min_directory=0,
+            horizon_factor=model.horizon_factor,
+            max_turn=model.max_turn,
+            admission_margin=model.admission_margin,
+            clock=lambda: model.clock(),
+        )
+        self._model = model
+        self._directory = model._directory
+
+    def reuse_probability(self, cls: int) -> float:
+        return self._model.reuse_probability(cls)
+
+    def _pooled_shape(self) -> list[float]:
+        return self._model._pooled_shape()
+
+    def _class(self, key: tuple[int, int, int, int]) -> int:
+        idx = self._model._class(key)
+        self._sync()
+        return idx
+
+    def _sync(self) -> None:
+        """Take the model's clock and its classes (the shadow's hold only heaps)."""
+        self._tick = self._model._tick
+        classes = self._classes
+        for stats in self._model._classes[len(classes) :]:
+            classes.append(_ClassStats(stats.key, _Counts()))
+
+    def step(self, keys: list[bytes], request: _Request) -> int:
+        """Read ``keys`` as the request ``request``: return the leading hits, then touch, admit
+        and store as the replay does (``kvcascade.replay.compare.simulate``)."""
+        self._sync()
+        blocks = self._blocks
+        hits = 0
+        for key in keys:
+            if key not in blocks:
+                break
+            hits += 1
+        self._retouch(keys, request)
+        new = [key for key in keys[hits:] if key not in blocks][: self.cache_capacity]
+        if new and self._admits(request, len(new)):
+            need = len(blocks) + len(new) - self.cache_capacity
+            if need <= 0 or self.evict(need, ()) is not None:
+                for key in new:
+                    self.insert(key, _IDLE)
+                self._retouch(keys, request)
+        return hits
 
 
 class AdaptiveCachePolicy(TurnAwareCachePolicy):
-    """:class:`TurnAwareCachePolicy` steered by a shadow LRU (module docstring).
+    """:class:`TurnAwareCachePolicy` or LRU, as miniature simulations say (module docstring).
 
     Args:
         cache_capacity: slots of the tier (blocks).
-        window_factor: the comparison window in turnover times ``H`` (> 0; default 2).
-        switch_margin: fraction of the window's block reads the real cache may trail the
-            shadow LRU by before it switches to LRU mode (≥ 0; default 0.002).
-        probe_factor: first probe of turn-aware mode after this many windows in LRU mode
-            (> 0; default 2).
+        shadow_blocks: the shadows hold at least this many blocks (≥ 1; default 1024).
+        max_sampling: at most this sampling divisor ``k`` (≥ 1; default 32).
+        window_factor: the comparison window in turnover times ``H`` (> 0; default 4).
+        confidence: standard deviations the turn-aware shadow must lead by before the real
+            cache follows it (≥ 0; default 2); it goes back to LRU below half of that.
         **kwargs: the :class:`TurnAwareCachePolicy` parameters (``admission_margin``, …).
 
     Attributes:
         lru_mode: True while the policy evicts and admits like LRU.
         switches: mode changes so far.
+        sampling: ``k``: the shadows see 1 in ``k`` conversations at ``capacity / k``.
 
     Raises:
-        ValueError: a parameter out of range.
+        ValueError: a parameter out of range (naming it).
     """
 
     def __init__(
         self,
         cache_capacity: int,
-        window_factor: float = 2.0,
-        switch_margin: float = 0.002,
-        probe_factor: float = 2.0,
+        shadow_blocks: int = 1024,
+        max_sampling: int = 32,
+        window_factor: float = 4.0,
+        confidence: float = 2.0,
         **kwargs: object,
     ) -> None:
-        super().__init__(cache_capacity, **kwargs)  # type: ignore[arg-type]
+        if not shadow_blocks >= 1:
+            raise ValueError(f"shadow_blocks must be >= 1, got {shadow_blocks}")
+        if not max_sampling >= 1:
+            raise ValueError(f"max_sampling must be >= 1, got {max_sampling}")
         if not window_factor > 0:
             raise ValueError(f"window_factor must be > 0, got {window_factor}")
-        if not switch_margin >= 0:
-            raise ValueError(f"switch_margin must be >= 0, got {switch_margin}")
-        if not probe_factor > 0:
-            raise ValueError(f"probe_factor must be > 0, got {probe_factor}")
+        if not confidence >= 0:
+            raise ValueError(f"confidence must be >= 0, got {confidence}")
+        super().__init__(cache_capacity, **kwargs)  # type: ignore[arg-type]
         self.window_factor = window_factor
-        self.switch_margin = switch_margin
-        self.probe_factor = probe_factor
+        self.confidence = confidence
+        self.sampling = max(1, min(max_sampling, cache_capacity // shadow_blocks))
+        shadow_capacity = max(1, round(cache_capacity / self.sampling))
+        self._shadow_lru = _ShadowLRU(shadow_capacity)
+        self._shadow_turn_aware = _ShadowTurnAware(self, shadow_capacity)
+        # Prompt-end key -> whether its conversation is sampled (recent ends first dropped).
+        self._sampled: OrderedDict[bytes, bool] = OrderedDict()
         self.lru_mode = True
         self.switches = 0
-        self._shadow: OrderedDict[bytes, None] = OrderedDict()
-        self._lead = 0.0  # decayed (real − shadow) prefix hits
-        self._spread = 0.0  # decayed |real − shadow|
-        self._reads = 0.0  # decayed block reads
-        self._since = 0.0  # block reads since the last mode change
-        self._probe = 0.0  # block reads in LRU mode before the next probe
-        self._probing = False  # turn-aware mode on probation
+        self._lead = 0.0  # decayed Σ (turn-aware shadow − LRU shadow) leading hits
+        self._square = 0.0  # decayed Σ of their squares
+        self._seen = 0  # block reads so far
 
-    def _compare(self, keys: list[bytes]) -> None:
-        """Count the request's leading hits in the real cache and in the shadow LRU, update
-        the shadow (``keys`` become its most recent, the first key last) and the mode."""
-        blocks = self._blocks
-        real = 0
-        for key in keys:
-            entry = blocks.get(key)
-            if entry is None or not entry.block.is_ready:
-                break
-            real += 1
-        shadow = self._shadow
-        ghost = 0
-        for key in keys:
-            if key not in shadow:
-                break
-            ghost += 1
-        move = shadow.move_to_end
-        for key in reversed(keys):
-            shadow[key] = None
-            move(key)
-        while len(shadow) > self.cache_capacity:
-            shadow.popitem(last=False)
-        n = len(keys)
+    def _classify(self, keys: list[bytes], ctx: ReqContext | None) -> _Request:
+        request = super()._classify(keys, ctx)
+        ends = self._sampled
+        sampled = None if request.prev is None else ends.get(request.prev)
+        if sampled is None:
+            sampled = zlib.crc32(keys[-1]) % self.sampling == 0
+        for key in _prompt_ends(keys):
+            ends[key] = sampled
+            ends.move_to_end(key)
+        while len(ends) > self.directory_size:
+            ends.popitem(last=False)
         window = self.window_factor * self.turnover()
-        decay = math.exp(-n / window)
-        diff = real - ghost
-        self._lead = self._lead * decay + diff
-        self._spread = self._spread * decay + abs(diff)
-        self._reads = self._reads * decay + n
-        self._since += n
-        if self.lru_mode:
-            if not self._probe:
-                self._probe = self.probe_factor * window  # the first probe
-            if self._since >= self._probe:
-                self._probing = True
-                self._switch(False)
-        elif self._lead < -self.switch_margin * self._reads - _Z * math.sqrt(self._spread):
-            # Behind the shadow: a failed probe backs off, a first switch waits the base time.
-            self._probe = 2.0 * self._probe if self._probing else self.probe_factor * window
-            self._probing = False
-            self._switch(True)
-        elif self._probing and self._since >= self._probe:
-            self._probing = False  # the probe held as long as LRU mode had lasted
+        self._seen += len(keys)
+        decay = math.exp(-len(keys) / window)
+        self._lead *= decay
+        self._square *= decay
+        if sampled:
+            diff = self._shadow_turn_aware.step(keys, request) - self._shadow_lru.step(keys)
+            self._lead += diff
+            self._square += diff * diff
+            if self.lru_mode:
+                significant = self._lead > self.confidence * math.sqrt(self._square)
+                if significant and self._seen >= window:
+                    self._switch(False)
+            elif self._lead < 0.5 * self.confidence * math.sqrt(self._square):
+                self._switch(True)
+        return request
 
     def _switch(self, lru_mode: bool) -> None:
         self.lru_mode = lru_mode
         self.switches += 1
-        self._since = 0.0
-        self._lead = self._spread = self._reads = 0.0
-
-    def _classify(self, keys: list[bytes], ctx: ReqContext | None) -> _Request:
-        self._compare(keys)
-        return super()._classify(keys, ctx)
 
     def _value(self, entry: _Entry, now_s: float | None, horizon: float) -> float:
         return 0.0 if self.lru_mode else super()._value(entry, now_s, horizon)
@@ -149,7 +245,9 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
 
     def clear(self) -> None:
         super().clear()
-        self._shadow.clear()
-        self._lead = self._spread = self._reads = self._since = self._probe = 0.0
+        self._shadow_turn_aware.clear()
+        self._shadow_lru.clear()
+        self._sampled.clear()
+        self._lead = self._square = 0.0
+        self._seen = 0
         self.lru_mode = True
-        self._probing = False

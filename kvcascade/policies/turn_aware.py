@@ -89,6 +89,13 @@ def _cdf(cum: list[float], t: float) -> float:
     return cum[b] + (x - b) * (cum[b + 1] - cum[b])
 
 
+def _prompt_ends(keys: list[bytes]) -> list[bytes]:
+    """The keys a next turn of the prompt ``keys`` is recognised by: the last two (the last
+    block of a prompt may be partial and so absent from the next turn); never the root (it may
+    be a shared system prompt)."""
+    return keys[-2:] if len(keys) > 2 else keys[1:]
+
+
 class _Entry:
     """A resident block: its status, class, last-read tick, depth and heap bookkeeping."""
 
@@ -109,13 +116,15 @@ class _Entry:
 
 
 class _Request:
-    """Per-request scratch (kept on the ReqContext): the class of the request's blocks."""
+    """Per-request scratch (kept on the ReqContext): the class of the request's blocks and
+    ``prev``, the prompt-end key of the earlier turn it continues (None: a first turn)."""
 
-    __slots__ = ("cls", "deadline")
+    __slots__ = ("cls", "deadline", "prev")
 
-    def __init__(self, cls: int, deadline: float | None) -> None:
+    def __init__(self, cls: int, deadline: float | None, prev: bytes | None = None) -> None:
         self.cls = cls
         self.deadline = deadline
+        self.prev = prev
 
 
 class _Counts:
@@ -358,14 +367,12 @@ class TurnAwareCachePolicy(CachePolicy):
         self._pooled.reads += reads
         if reads:
             self._shape_dirty = True
-        # Prompt ends: the last two keys (the last block of a prompt may be partial and so
-        # absent from the next turn); the root never counts (it may be a shared system prompt).
-        for key in keys[-2:] if len(keys) > 2 else keys[1:]:
+        for key in _prompt_ends(keys):
             directory[key][2] = turn
         while len(directory) > self.directory_size:
             directory.popitem(last=False)
         self._tick = now + len(keys)
-        return _Request(cls, deadline)
+        return _Request(cls, deadline, keys[matched] if matched >= 0 else None)
 
     # -- heaps ---------------------------------------------------------------------------------
     def _push(self, key: bytes, entry: _Entry) -> None:
@@ -479,6 +486,10 @@ class TurnAwareCachePolicy(CachePolicy):
             request = self._classify(keys, ctx)
             if ctx is not None:
                 ctx.set_state(request)
+        self._retouch(keys, request)
+
+    def _retouch(self, keys: list[bytes], request: _Request) -> None:
+        """File the resident ``keys`` of ``request`` under its class at the current tick."""
         blocks = self._blocks
         tick = self._tick
         for depth, key in enumerate(keys):
@@ -502,11 +513,15 @@ class TurnAwareCachePolicy(CachePolicy):
         higher priority, or the same priority and ``admission_margin`` times its P(read within
         ``H``). A refused request's blocks are not stored (nor cascaded to secondary tiers).
         """
-        margin = self.admission_margin
-        if margin is None or ctx is None:
+        if self.admission_margin is None or ctx is None:
             return True
         request = ctx.get_state(_Request)
-        if request is None or len(self._blocks) + n <= self.cache_capacity:
+        return request is None or self._admits(request, n)
+
+    def _admits(self, request: _Request, n: int) -> bool:
+        """:meth:`admits` for a classified request."""
+        margin = self.admission_margin
+        if margin is None or len(self._blocks) + n <= self.cache_capacity:
             return True
         horizon = self.turnover()
         heads = self._heads(self._valuer(self.clock(), horizon))

@@ -93,7 +93,10 @@ def _parser() -> argparse.ArgumentParser:
         help="add a valkey tier on this Valkey / Redis server, e.g. redis://127.0.0.1:6379, "
         "after the other tiers (a password goes in --config's 'password'; docs/valkey-tier.md)",
     )
-    rp.add_argument("--eviction-policy", help="CPU tier eviction policy (lru, …)")
+    rp.add_argument(
+        "--eviction-policy",
+        help="CPU tier eviction policy (default adaptive; lru, arc, turn_aware, …)",
+    )
     rp.add_argument("--config", help="JSON object (or @file) of kv_connector_extra_config keys")
     rp.add_argument("--json", dest="json_path", help="write the report as JSON to this path")
     rp.add_argument(

@@ -1,8 +1,8 @@
 """The robustness suite (issue #19, ``benchmarks/policy_suite.py``) at a small size: its traces
-are well-formed and seeded; at 5 % the adaptive policy is never below ``max(lru, arc)`` by more
-than 0.002 on two of them — one where the turn-aware model holds, one where it does not — and
-at 20 % of the latter it recovers most of what the turn-aware policy alone loses (the rule is
-not met there: docs/policies.md has the full table)."""
+are well-formed and seeded; at 5 % and 20 % the adaptive policy is never below ``max(lru,
+arc)`` by more than 0.002 on two of them — one where the turn-aware model holds (and the
+adaptive policy keeps part of its gain), one where it does not (docs/policies.md has the full
+table at 2 000 requests)."""
 
 from __future__ import annotations
 
@@ -75,24 +75,21 @@ def test_conversations_follow_turns() -> None:
     assert convs[0].times == [0.0, 9.0, 12.0]
 
 
+@pytest.mark.parametrize("fraction", [0.05, 0.2])
 @pytest.mark.parametrize("name", ["bundled", "turns_geometric"])
-def test_adaptive_is_never_below_lru_and_arc(traces: dict[str, list], name: str) -> None:
+def test_adaptive_is_never_below_lru_and_arc(
+    traces: dict[str, list], name: str, fraction: float
+) -> None:
     """The never-below rule of issue #19 on a trace where the turn-aware model predicts reuse
-    (``bundled``) and one where the turn number predicts nothing (``turns_geometric``: the
-    turn-aware policy alone is below LRU there)."""
-    result = compare(traces[name], ["lru", "arc", "turn_aware", "adaptive"], [0.05])
-    best = max(result.runs[(p, 0.05)].hit_ratio for p in ("lru", "arc"))
-    assert result.runs[("adaptive", 0.05)].hit_ratio >= best - 0.002
-    assert result.runs[("opt", 0.05)].hit_ratio >= best
+    (``bundled``: at 5 % the adaptive policy follows it) and one where the turn number
+    predicts nothing (``turns_geometric``: the turn-aware policy alone is below LRU there)."""
+    result = compare(traces[name], ["lru", "arc", "turn_aware", "adaptive"], [fraction])
+    hit = {p: result.runs[(p, fraction)].hit_ratio for p in ("lru", "arc", "turn_aware", "opt")}
+    best = max(hit["lru"], hit["arc"])
+    adaptive = result.runs[("adaptive", fraction)].hit_ratio
+    assert adaptive >= best - 0.002
+    assert hit["opt"] >= max(best, adaptive)
     if name == "turns_geometric":
-        assert result.runs[("turn_aware", 0.05)].hit_ratio < best - 0.01
-
-
-def test_adaptive_recovers_most_of_what_turn_aware_loses(traces: dict[str, list]) -> None:
-    """``turns_geometric`` at 20 %: the turn-aware policy is 0.017 below LRU; the adaptive
-    one trails LRU by 0.003 (the cost of one failed probe of turn-aware mode) — more than the
-    0.002 the rule allows, so this asserts the bound it does reach."""
-    result = compare(traces["turns_geometric"], ["lru", "turn_aware", "adaptive"], [0.2])
-    lru = result.runs[("lru", 0.2)].hit_ratio
-    assert result.runs[("turn_aware", 0.2)].hit_ratio < lru - 0.01
-    assert result.runs[("adaptive", 0.2)].hit_ratio >= lru - 0.004
+        assert hit["turn_aware"] < best - 0.01
+    elif fraction == 0.05:
+        assert hit["turn_aware"] > best + 0.01 and adaptive > best + 0.005

@@ -142,8 +142,10 @@ class AdaptiveMachine(TurnAwareMachine):
         self.policy.lru_mode = not self.policy.lru_mode
 
     @invariant()
-    def shadow_bounded(self) -> None:
-        assert len(self.policy._shadow) <= CAPACITY
+    def shadows_bounded(self) -> None:
+        shadow_lru, shadow_turn_aware = self.policy._shadow_lru, self.policy._shadow_turn_aware
+        assert len(shadow_lru._keys) <= shadow_lru.capacity <= CAPACITY
+        assert len(shadow_turn_aware._blocks) <= shadow_turn_aware.cache_capacity <= CAPACITY
 
 
 # Deterministic in the suite, as the composition model tests. A random run (1500 examples) found
@@ -415,7 +417,6 @@ def test_adaptive_starts_in_lru_mode_and_evicts_like_lru() -> None:
     chains = [[b"r", b"a%d" % i, b"b%d" % i] for i in range(6)] + [[b"r", b"a1", b"b1", b"c1"]]
     chains += [[b"r", b"x%d" % i] for i in range(5)]
     adaptive = CPUOffloadingManager(6, "adaptive")
-    adaptive.policy._probe = 1e9  # no probe during the test (a 6-block window is 24 reads)
     lru = CPUOffloadingManager(6, "lru")
     assert adaptive.policy.lru_mode
     assert _requests(adaptive, chains, "q") == _requests(lru, chains, "q")
@@ -424,34 +425,58 @@ def test_adaptive_starts_in_lru_mode_and_evicts_like_lru() -> None:
     assert adaptive.policy.admits(ReqContext("any"), 100)
 
 
-def test_adaptive_leaves_turn_aware_mode_when_the_shadow_lru_hits_more() -> None:
-    """A request the real cache misses but an LRU cache would hit counts against the
-    turn-aware mode: a probe after ``probe_factor`` windows in LRU mode, back to LRU mode once
-    the shadow leads beyond chance, and a failed probe doubles the wait."""
-    policy = AdaptiveCachePolicy(4)
-    base = policy.probe_factor * policy.window_factor * 4  # H = capacity while nothing ages
-    requests = 0
+def test_adaptive_shadow_lru_holds_what_an_lru_cache_holds() -> None:
+    """With ``k = 1`` the shadow LRU is an LRU cache of the same capacity fed every request."""
+    chains = [[b"r", b"a%d" % (i % 5), b"b%d" % (i % 3)] for i in range(12)]
+    adaptive = CPUOffloadingManager(6, "adaptive")
+    lru = CPUOffloadingManager(6, "lru")
+    assert adaptive.policy.sampling == 1
+    _requests(adaptive, chains, "q")
+    _requests(lru, chains, "q")
+    assert list(adaptive.policy._shadow_lru._keys) == lru.policy.evictable_keys()
 
-    def request() -> None:
-        # Touched but never stored: the real cache misses, the shadow LRU holds both keys.
-        nonlocal requests
-        requests += 1
-        policy.touch([b"r", b"a"], ReqContext(f"q{requests}"))
 
-    request()
-    assert policy.lru_mode and policy._probe == base
-    while policy.lru_mode:
-        request()
-    assert requests == base // 2 and policy.switches == 1 and policy._probing  # 2 reads each
-    probe_started = requests
-    while not policy.lru_mode:
-        request()
-    assert requests - probe_started >= 3  # one request is not evidence
-    assert policy.switches == 2 and policy._probe == 2 * base and not policy._probing
+def test_adaptive_samples_whole_conversations() -> None:
+    """1 in ``k`` conversations reach the shadows, each with all of its turns: a later turn is
+    sampled if the turn it continues was (``_Request.prev``), whatever its own keys hash to."""
+    policy = AdaptiveCachePolicy(1 << 12, shadow_blocks=1, max_sampling=4)
+    assert policy.sampling == 4
+    conversations = [[b"c%d/%d" % (c, i) for i in range(6)] for c in range(64)]
+    for turn in range(2, 7):
+        for c, keys in enumerate(conversations):
+            policy.touch([b"root", *keys[:turn]], ReqContext(f"{c}/{turn}"))
+    shadow = policy._shadow_lru._keys
+    sampled = [c for c, keys in enumerate(conversations) if keys[0] in shadow]
+    assert 4 <= len(sampled) <= 32  # about 64 / 4
+    for c, keys in enumerate(conversations):
+        assert all((key in shadow) == (c in sampled) for key in keys), c
+    assert set(policy._shadow_turn_aware.keys()) - {b"root"} <= set(shadow)
+
+
+def test_adaptive_follows_the_shadow_that_wins() -> None:
+    """Shadow turn-aware ahead by ``confidence`` standard deviations after a whole window of
+    reads: turn-aware mode; its lead below half of that: LRU mode again (the counters decay
+    but are never reset)."""
+    policy = AdaptiveCachePolicy(64)
+    lead = policy.confidence * 3.0  # √Q of one difference of 3 blocks is 3
+    policy._lead, policy._square = lead + 1.0, 9.0
+    policy.touch([b"r", b"a"], ReqContext("0"))  # a tie (both shadows miss): d = 0
+    assert policy.lru_mode and policy.switches == 0  # 2 reads: not a window (4 × 64) yet
+    policy._seen = policy.window_factor * policy.turnover()
+    policy.touch([b"r", b"c"], ReqContext("1"))  # r hits in both shadows: d = 0
+    assert not policy.lru_mode and policy.switches == 1
+    policy._lead = 0.4 * lead
+    policy.touch([b"r", b"b"], ReqContext("2"))
+    assert policy.lru_mode and policy.switches == 2
 
 
 def test_adaptive_parameters_are_checked() -> None:
-    for bad in ({"window_factor": 0}, {"switch_margin": -1}, {"probe_factor": 0}):
+    for bad in (
+        {"shadow_blocks": 0},
+        {"max_sampling": 0},
+        {"window_factor": 0},
+        {"confidence": -1},
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             AdaptiveCachePolicy(4, **bad)
     with pytest.raises(ValueError, match="max_turn"):
