@@ -10,7 +10,8 @@ The sides that drive vLLM (``fs_tier``, ``bookkeeping``, ``kvcascade_impl``) run
 ``--vllm-python`` when it exists (default ``/tmp/kvcascade-vllm-venv/bin/python`` if present):
 there ``fs_tier`` and ``bookkeeping`` add vLLM's side to their own; without it they run here on
 kvcascade's sides alone and ``kvcascade_impl`` (vLLM's tiering manager) is skipped.
-``serving.py`` (when the file exists) runs here and starts its engines in ``--vllm-python``.
+``serving.py`` runs in ``--vllm-python`` too (its engines and the model it writes need vLLM
+and transformers) and is skipped without it.
 ``model_mutations.py`` is a tool that checks the strength of the model tests, not a benchmark:
 it is not run.
 
@@ -44,8 +45,7 @@ class Benchmark:
     """A script of ``benchmarks/`` and where it runs.
 
     ``vllm``: "side" runs it in the vLLM python when there is one (else here), "required" only
-    there (skipped without it), "engine" here with ``--vllm-python`` (skipped without it), None
-    always here.
+    there (skipped without it), None always here.
     """
 
     script: str
@@ -68,7 +68,7 @@ BENCHMARKS = (
     Benchmark("s3_tier.py"),
     Benchmark("valkey_tier.py"),
     Benchmark("slow_tier.py"),
-    Benchmark("serving.py", "engine"),
+    Benchmark("serving.py", "required"),
 )
 
 
@@ -128,14 +128,12 @@ def _command(bench: Benchmark, args: argparse.Namespace, json_path: Path) -> lis
     if not script.exists():
         return "no such file"
     vllm_python = args.vllm_python
-    if bench.vllm in ("required", "engine") and vllm_python is None:
+    if bench.vllm == "required" and vllm_python is None:
         return "no vLLM python (--vllm-python)"
-    python = vllm_python if bench.vllm in ("side", "required") and vllm_python else sys.executable
+    python = vllm_python if bench.vllm and vllm_python else sys.executable
     cmd = [python, str(script), "--json", str(json_path)]
     if args.quick:
         cmd.append("--quick")
-    if bench.vllm == "engine":
-        cmd += ["--vllm-python", vllm_python]
     return cmd
 
 
