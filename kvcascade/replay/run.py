@@ -23,7 +23,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,14 +170,16 @@ class ReplayReport:
 async def replay(
     trace: Sequence[TraceRequest],
     config: CascadeConfig,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], Awaitable[None] | None] | None = None,
 ) -> ReplayReport:
     """Run ``trace`` through a cascade built from ``config``; see the module docstring.
 
     Args:
         trace: the requests, in arrival order (one step each).
         config: tiers and sizes; ``config.gpu_blocks`` must hold the longest request.
-        progress: called with 1 after each request.
+        progress: called with 1 after each request; an awaitable it returns is awaited before
+            the next request (a callback that must wait, e.g. for a server it restarts, waits
+            without blocking the loop the tiers run on).
 
     Raises:
         ConfigError: the GPU cache cannot hold the longest request.
@@ -200,8 +202,8 @@ async def replay(
         gpu = GPUPrefixCache(config.gpu_blocks)
         for request in trace:
             await _step(cascade, gpu, request, report)
-            if progress is not None:
-                progress(1)
+            if progress is not None and (waiting := progress(1)) is not None:
+                await waiting
         _collect(cascade, gpu, report)
     report.wall_s = time.perf_counter() - start
     return report

@@ -16,8 +16,9 @@ Scheduling (vLLM's ``DualQueueThreadPool`` rule): a LOAD queue (promotions and p
 STORE queue (cascades). Of the pool's ``slots``, the even ones take loads first and the odd
 ones stores first, each falling back to the other queue, so reads are preferred and neither
 queue starves; a single slot alternates. A thread that finishes a call takes the next one for
-its slot itself (under the pool's lock) instead of waiting for the loop to hand it over, so a
-busy loop never leaves threads idle; the loop still resolves every result, and the results that
+its slot itself (under the pool's lock) instead of waiting for the loop to hand it over, and
+finding none frees the slot itself, so a call submitted meanwhile goes straight to it: a busy
+loop never leaves threads idle; the loop still resolves every result, and the results that
 arrive while it is busy are taken by one loop callback (one wake-up for a burst).
 
 Deadlines: a call submitted with a deadline fails with :class:`DeadlineExceededError` ``timeout_s``
@@ -291,8 +292,8 @@ class WorkerPool(ABC):
     def _done(
         self, work: Submitted, outcome: Any, error: BaseException | None, slot_kept: bool = False
     ) -> None:
-        """A worker finished ``work`` in time; ``slot_kept``: its thread already runs the slot's
-        next call."""
+        """A worker finished ``work`` in time; ``slot_kept``: its thread already handed the slot
+        on (to the slot's next call, or back to the free slots)."""
         with self._lock:
             self._running.discard(work)
         if not slot_kept:
@@ -359,7 +360,7 @@ class ThreadPool(WorkerPool):
         self._threads: set[threading.Thread] = set()
         self._current = threading.local()
         self._replacements = 0
-        self._done_queue: collections.deque[tuple[Submitted, Any, BaseException | None, bool]] = (
+        self._done_queue: collections.deque[tuple[Submitted, Any, BaseException | None]] = (
             collections.deque()
         )
         self._done_posted = False  # a _take_done callback is pending on the loop
@@ -469,23 +470,24 @@ class ThreadPool(WorkerPool):
                 if abandoned and replaced:
                     self._replacements -= 1
                     self._threads.discard(me)
-                if not abandoned and not self._closed:
-                    following = self._claim(work.slot)
+                if not abandoned:
+                    following = None if self._closed else self._claim(work.slot)
+                    if following is None:  # idle: a call submitted from here on may take it
+                        self._free_slots.append(work.slot)
             if abandoned:
                 log.warning("tier %s: a job abandoned at its deadline returned late", self.name)
                 self._post(self._returned, work)
                 if replaced:
                     return
             else:
-                self._post_done(work, outcome, error, following is not None)
+                self._post_done(work, outcome, error)
             work = following if following is not None else self._inbox.get()
 
-    def _post_done(
-        self, work: Submitted, outcome: Any, error: BaseException | None, slot_kept: bool
-    ) -> None:
-        """(I/O thread) Hand a finished call to the loop. Results queue up and one loop
-        callback takes all that arrived before it ran: one wake-up for a burst of results."""
-        self._done_queue.append((work, outcome, error, slot_kept))
+    def _post_done(self, work: Submitted, outcome: Any, error: BaseException | None) -> None:
+        """(I/O thread, its slot already handed on) Hand a finished call to the loop. Results
+        queue up and one loop callback takes all that arrived before it ran: one wake-up for a
+        burst of results."""
+        self._done_queue.append((work, outcome, error))
         with self._lock:
             if self._done_posted:
                 return
@@ -496,7 +498,7 @@ class ThreadPool(WorkerPool):
         with self._lock:
             self._done_posted = False  # from here on a new result posts a new callback
         while self._done_queue:
-            self._done(*self._done_queue.popleft())
+            self._done(*self._done_queue.popleft(), slot_kept=True)
 
     def _post(self, callback: Callable[..., None], *args: Any) -> None:
         loop = self._loop

@@ -335,7 +335,8 @@ async def test_out_of_bounds_block_id_fails_store_and_load(
 
 async def test_drain_waits_and_close_fails_queued_jobs(tmp_path: Path, host: kc.HostBuffer) -> None:
     """vLLM test_wait_idle_blocks_until_tasks_complete / test_shutdown_discards_pending_tasks: drain
-    returns once every job is done; closing fails queued jobs."""
+    returns once every job is done; closing fails queued jobs (queued behind a load that holds
+    the one thread in ``open()`` of a FIFO until after the close)."""
     tier = make_tier(tmp_path, host, io_threads=1)
     async with running(tier):
         futures = [tier.submit_store(job([key(i)], [i % 16], False)) for i in range(40)]
@@ -343,11 +344,15 @@ async def test_drain_waits_and_close_fails_queued_jobs(tmp_path: Path, host: kc.
         await tier.drain()
         assert all(f.done() and f.result().success for f in futures)
         assert not tier.has_pending_work()
+        fifo = Path(tier.path_of(key(99)))
+        fifo.parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(fifo, 0o600)
+        blocker = tier.submit_load(job([key(99)], [1], True))
         futures = [tier.submit_store(job([key(i)], [0], False)) for i in range(100, 140)]
         tier.close()
-    results = [f.result() for f in futures]
-    assert any(r.error == "tier closed" for r in results)
-    assert {r.success for r in results if r.error != "tier closed"} <= {True}
+        _unblock_fifo(fifo)
+    assert not blocker.result().success  # a FIFO is no block file
+    assert [f.result().error for f in futures] == ["tier closed"] * 40
 
 
 # -- corruption (vLLM test_fs_tier.py's failed-load tests) ------------------------------------
@@ -882,21 +887,31 @@ async def test_single_thread_alternates_between_loads_and_stores(
 async def test_threads_take_queued_jobs_without_the_loop(
     tmp_path: Path, host: kc.HostBuffer
 ) -> None:
-    """An I/O thread that finishes a job takes the next queued one itself: with the event loop
-    blocked (a scheduler step that runs long), every queued store still reaches the disk, and
-    the results arrive once the loop runs again."""
-    asyncio.get_running_loop().set_debug(False)  # blocked on purpose: debug mode's checks off
+    """An I/O thread that finishes a job takes the next queued one itself, and finding none
+    frees its slot itself: with the event loop blocked (a scheduler step that runs long), every
+    queued store still reaches the disk, so does a store submitted after the thread went idle
+    (its finished job's result not yet taken by the loop), and the results arrive once the loop
+    runs again. In debug mode (conftest.py) a submit is slow enough that the thread drains the
+    queue between two submits: the idle case, which stalled while the loop had to free the
+    slot."""
     tier = make_tier(tmp_path, host, io_threads=1)
     async with running(tier):
-        for i in range(6):
+        for i in range(8):
             host.row(i)[:] = pattern(i)
+        paths = [Path(tier.path_of(key(i))) for i in range(8)]
+
+        def wait_on_disk(n: int) -> None:  # blocks the loop: nothing is dispatched from it
+            until = time.monotonic() + 30
+            while not all(p.exists() for p in paths[:n]) and time.monotonic() < until:
+                time.sleep(0.005)
+            assert [p.exists() for p in paths[:n]] == [True] * n
+
         futures = [tier.submit_store(job([key(i)], [i], False)) for i in range(6)]
-        paths = [Path(tier.path_of(key(i))) for i in range(6)]
-        until = time.monotonic() + 30
-        while not all(p.exists() for p in paths) and time.monotonic() < until:
-            time.sleep(0.005)  # blocks the loop: nothing is dispatched from it meanwhile
-        assert all(p.exists() for p in paths)
-        assert all(r.success for r in await asyncio.gather(*futures))
+        wait_on_disk(6)
+        time.sleep(0.05)  # the thread, done with the queue, waits idle
+        futures += [tier.submit_store(job([key(i)], [i], False)) for i in (6, 7)]
+        wait_on_disk(8)
+        assert [r.success for r in await asyncio.gather(*futures)] == [True] * 8
 
 
 # -- real faults -----------------------------------------------------------------------------

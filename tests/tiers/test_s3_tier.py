@@ -720,15 +720,18 @@ def replay_config(s3: dict[str, Any], fs_dir: Path) -> kc.CascadeConfig:
     )
 
 
-@pytest.mark.blocks_loop  # the replay's simulated engine verifies and "prefills" on the loop
 async def test_server_killed_and_restarted_during_a_replay(
     killable: MotoServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A replay through fs + s3, the server killed after 30 requests and started again (empty)
     after 50: the replay never hangs and every loaded block is byte-exact; s3 stores are dropped
     while it is down, and after the restart s3 stores again and serves hits (blocks stored since
-    the restart: the killed server lost the others)."""
-    killable.client().create_bucket(Bucket="kvc-replay")
+    the restart: the killed server lost the others). The synchronous botocore client that
+    creates the bucket (built once: its set-up holds the GIL for a second on a loaded machine)
+    and the restart (seconds) run on threads; the replay waits for the restart before its next
+    request."""
+    admin = await asyncio.to_thread(killable.client)
+    await asyncio.to_thread(admin.create_bucket, Bucket="kvc-replay")
     # Retry the endpoint soon after a failure: the 40 requests after the restart may take less
     # than the default second on a quiet machine.
     monkeypatch.setattr(s3_tier_module, "DOWN_RETRY_S", 0.05)
@@ -744,7 +747,7 @@ async def test_server_killed_and_restarted_during_a_replay(
     marks: dict[str, collections.Counter[str]] = {}
     done = 0
 
-    def progress(n: int) -> None:
+    async def progress(n: int) -> None:
         nonlocal done
         done += n
         if done == 30:
@@ -752,9 +755,9 @@ async def test_server_killed_and_restarted_during_a_replay(
             marks["killed"] = collections.Counter(tiers[0].counters)
         elif done == 50:
             marks["down"] = collections.Counter(tiers[0].counters)
-            # Blocking on purpose: the restart (seconds on a loaded machine) must be over
-            # before the "back" mark, or a slow start would make the test flaky.
-            restart(killable, "kvc-replay")
+            # the restart is over before the "back" mark, or a slow start would make it flaky
+            await asyncio.to_thread(killable.start)
+            await asyncio.to_thread(admin.create_bucket, Bucket="kvc-replay")
         elif done == 60:
             marks["back"] = collections.Counter(tiers[0].counters)
 
@@ -796,10 +799,6 @@ _SHARE_SCRIPT = textwrap.dedent(
 )
 
 
-# Open finding of the loop guard (tests/conftest.py): in whole-suite runs on a busy 2-core machine
-# a step of this test's S3 tier actor held the loop over 1 s (three runs of three); alone it stays
-# under. The cause (aiobotocore client set-up or teardown on the loop) is not established.
-@pytest.mark.blocks_loop
 async def test_two_processes_share_blocks_unless_namespace_or_salt_differ(
     moto: MotoServer, bucket: str, tmp_path: Path
 ) -> None:
