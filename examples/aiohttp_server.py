@@ -1,6 +1,7 @@
 """An aiohttp server embedding the cascade on its own KV cache: handlers await ``lookup_prefix``
 / ``load`` / ``store`` while other requests run.
 
+    pip install aiohttp   # (in the dev extras)
     python examples/aiohttp_server.py [--port PORT] [--fs-dir DIR]
 
 The "engine" owns a KV tensor in FlashAttention's layout ``(2, gpu_blocks, block_size, heads,

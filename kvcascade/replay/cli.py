@@ -25,21 +25,22 @@ DEFAULT_CPU_BLOCKS = 8192
 DEFAULT_BLOCK_BYTES = 4096
 
 
-def _nonneg_int(text: str) -> int:
+def _int(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
     return value
+
+
+def _nonneg_int(text: str) -> int:
+    return _int(text, 0)
 
 
 def _positive_int(text: str) -> int:
-    value = _nonneg_int(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must be > 0, got 0")
-    return value
+    return _int(text, 1)
 
 
 def _parser() -> argparse.ArgumentParser:
