@@ -84,7 +84,8 @@ def test_first_start_with_empty_kernel_cache_serves_repeat_from_cpu_tier(
         "KVCASCADE_BUILD_DIR": str(build_dir),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "PYTHONPATH": os.pathsep.join(
-            [str(ROOT), str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")]
+            [str(ROOT), str(Path(__file__).resolve().parent)]
+            + [p for p in [os.environ.get("PYTHONPATH")] if p]
         ),
     }
     code = f"from test_vllm_first_start import _first_start; _first_start({str(model_dir)!r})"
