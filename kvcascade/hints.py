@@ -167,5 +167,11 @@ def admits_new_blocks(ctx: ReqContext | None, policy: object, n: int = 1) -> boo
     if getattr(policy, "uses_hints", False):
         admits = getattr(policy, "admits", None)
         return True if admits is None else bool(admits(ctx, n))
+    return may_continue(ctx)
+
+
+def may_continue(ctx: ReqContext | None) -> bool:
+    """False only when the request of ``ctx`` carries a hint that its session will not
+    continue (``continues=False``): the hint rule of LRU and ARC in :func:`admits_new_blocks`."""
     hint = hint_of(ctx)
     return hint is None or hint.continues is not False

@@ -36,7 +36,9 @@ directory, statistics and clock, so it costs no learning of its own).
   have not shown to win.
 
 Hints: the shadow turn-aware cache and turn-aware mode use them as ``turn_aware`` does (the
-class carries them); the shadow LRU and LRU mode ignore them.
+class carries them); LRU mode admits as LRU does with hints (a request whose session will not
+continue stores no new blocks, :func:`kvcascade.hints.admits_new_blocks`), so an explicit
+``continues=False`` is honoured in either mode; the shadow LRU ignores them.
 
 Cost per request on its first touch: one ``crc32`` and two ordered-dict operations (the sample
 flags of its prompt ends, at most ``directory_size`` of them); for a sampled request the two
@@ -52,6 +54,7 @@ import zlib
 from collections import OrderedDict
 
 from .._types import ReqContext
+from ..hints import may_continue
 from .base import BlockStatus
 from .turn_aware import (
     TurnAwareCachePolicy,
@@ -240,8 +243,9 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
         return 0.0 if self.lru_mode else super()._value(entry, now_s, horizon)
 
     def admits(self, ctx: ReqContext | None, n: int = 1) -> bool:
-        """Always in LRU mode; else :meth:`TurnAwareCachePolicy.admits`."""
-        return self.lru_mode or super().admits(ctx, n)
+        """In LRU mode LRU's hint rule (no new blocks for a session that will not continue);
+        else :meth:`TurnAwareCachePolicy.admits`."""
+        return may_continue(ctx) if self.lru_mode else super().admits(ctx, n)
 
     def clear(self) -> None:
         super().clear()

@@ -425,6 +425,20 @@ def test_adaptive_starts_in_lru_mode_and_evicts_like_lru() -> None:
     assert adaptive.policy.admits(ReqContext("any"), 100)
 
 
+def test_adaptive_in_lru_mode_admits_as_lru_does_with_hints() -> None:
+    """An explicit ``continues=False`` stores nothing new under the default policy too, as under
+    LRU (``admits_new_blocks``; ``tests/integrations/test_vllm_serve.py`` over HTTP)."""
+    adaptive = CPUOffloadingManager(6, "adaptive")
+    lru = CPUOffloadingManager(6, "lru")
+    assert adaptive.policy.lru_mode
+    for hint, admitted in ((SessionHint(continues=False), False), (SessionHint(), True)):
+        ctx = ReqContext(f"h{admitted}")
+        ctx.set_state(hint)
+        assert admits_new_blocks(ctx, adaptive.policy, 2) is admitted
+        assert admits_new_blocks(ctx, lru.policy, 2) is admitted
+    assert admits_new_blocks(ReqContext("none"), adaptive.policy, 2)
+
+
 def test_adaptive_shadow_lru_holds_what_an_lru_cache_holds() -> None:
     """With ``k = 1`` the shadow LRU is an LRU cache of the same capacity fed every request."""
     chains = [[b"r", b"a%d" % (i % 5), b"b%d" % (i % 3)] for i in range(12)]
