@@ -495,11 +495,11 @@ async def test_cancelled_half_read_bodies_do_not_exhaust_the_pool(
             for _ in range(10):
                 wave = [load(tier, [0], [2 + i]) for i in range(concurrency)]
                 assert not any(r.success for r in await asyncio.gather(*wave))
-            assert proxy.faults[0].hits == 10 * concurrency
-            start = time.monotonic()
-            result = await load(tier, [1], [12])
-            assert result.success and time.monotonic() - start < 0.5
-            assert bytes(host.row(12)) == pattern(1)
+            # Each load that reached the server stalled there; on a loaded machine a load can
+            # pass its 0.5 s deadline before its GET is sent, so not every one arrives.
+            assert concurrency <= proxy.faults[0].hits <= 10 * concurrency
+            result = await load(tier, [1], [12])  # success: within its 0.5 s deadline
+            assert result.success and bytes(host.row(12)) == pattern(1)
 
 
 async def test_multipart_failure_after_the_first_part_leaves_no_upload(
