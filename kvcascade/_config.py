@@ -99,7 +99,13 @@ class CascadeConfig:
         secondary_tiers: list of tier dicts, each with ``type`` (``fs``, ``memory``/``example``,
             a registered type, or a class name with ``module_path``) and that tier's keys, in
             cascade order; ``name`` (default: the type) must be unique.
-        model_name, cache_salt: namespace identity of persistent tiers.
+        model_name: the model's id (e.g. ``"meta-llama/Llama-3.1-8B"``), the first field of the
+            namespace of the persistent tiers (docs/fs-tier.md, "Namespace"). Required with any
+            secondary tier but ``memory`` (fs, s3, valkey, out-of-tree types: their blocks outlive
+            the process or are shared between processes), so that two models of equal geometry
+            on one directory, bucket or server never read each other's KV; None (the default)
+            is allowed only without such a tier. The vLLM connector passes the served model.
+        cache_salt: tenant salt folded into that namespace.
         enable_events: queue KV events for ``take_events``.
         pending_write_timeout_s: seconds after which a primary write still in flight is failed
             and its key becomes a miss (None: never; vLLM has no such deadline, #49829).
@@ -111,7 +117,7 @@ class CascadeConfig:
     cpu_bytes_to_use: int | None = None
     eviction_policy: str = "adaptive"
     secondary_tiers: list[dict[str, Any]] = field(default_factory=list, repr=False)
-    model_name: str = "kvcascade-replay"
+    model_name: str | None = None
     cache_salt: str | None = None
     enable_events: bool = True
     pending_write_timeout_s: float | None = 120.0
@@ -130,7 +136,9 @@ class CascadeConfig:
             )
         if not isinstance(self.enable_events, bool):
             raise ConfigError(f"enable_events must be true or false, got {self.enable_events!r}")
-        if not isinstance(self.model_name, str) or not self.model_name:
+        if self.model_name is not None and (
+            not isinstance(self.model_name, str) or not self.model_name
+        ):
             raise ConfigError(f"model_name must be a non-empty string, got {self.model_name!r}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ConfigError(f"cache_salt must be a string, got {self.cache_salt!r}")
@@ -152,7 +160,7 @@ class CascadeConfig:
         if not isinstance(self.secondary_tiers, list):
             raise ConfigError(f"secondary_tiers must be a list, got {self.secondary_tiers!r}")
         from .policies.registry import resolve_cache_policy
-        from .tiers.registry import check_tier_config
+        from .tiers.registry import check_tier_config, is_process_local
 
         resolve_cache_policy(self.eviction_policy)
         names = set()
@@ -171,6 +179,13 @@ class CascadeConfig:
                         "would evict or delete the other's files; give each its own directory"
                     )
                 roots[root] = name
+            if self.model_name is None and not is_process_local(tier):
+                raise ConfigError(
+                    f"model_name is required with secondary tier {name!r} (type "
+                    f"{tier['type']!r}): its blocks outlive this process or are shared, and "
+                    "engines of equal geometry but different models would read each other's "
+                    "KV; set model_name to the model's id (e.g. 'meta-llama/Llama-3.1-8B')"
+                )
 
     def __repr__(self) -> str:
         fields = ", ".join(

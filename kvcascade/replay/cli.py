@@ -23,6 +23,9 @@ if TYPE_CHECKING:  # imported when a command runs: --help and --version never im
 DEFAULT_GPU_BLOCKS = 1024
 DEFAULT_CPU_BLOCKS = 8192
 DEFAULT_BLOCK_BYTES = 4096
+#: The replay's ``model_name`` (its namespace in the fs, s3 and valkey tiers) unless ``--config``
+#: names one.
+REPLAY_MODEL_NAME = "kvcascade-replay"
 
 
 def _int(text: str, least: int) -> int:
@@ -70,7 +73,11 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive_int,
         help=f"KV bytes per block (default {DEFAULT_BLOCK_BYTES})",
     )
-    rp.add_argument("--fs-dir", help="fs tier directory (default: a temporary directory)")
+    rp.add_argument(
+        "--fs-dir",
+        help="fs tier directory, created with a warning if missing (default: a temporary "
+        "directory)",
+    )
     rp.add_argument("--no-fs", action="store_true", help="no fs tier (GPU and CPU only)")
     rp.add_argument(
         "--fs-max-bytes",
@@ -196,7 +203,14 @@ def build_replay_config(
     args: argparse.Namespace, temporary_root: Callable[[], str] | None = None
 ) -> CascadeConfig:
     """Merge ``--config`` keys with the command-line options (options win); an fs tier without
-    ``root_dir`` gets ``temporary_root()`` (a directory removed after the replay)."""
+    ``root_dir`` gets ``temporary_root()`` (a directory removed after the replay);
+    ``model_name`` is :data:`REPLAY_MODEL_NAME` unless ``--config`` names one.
+
+    Raises:
+        ConfigError: a bad ``--config``, an option that needs a tier not configured, or two
+            sizes of the CPU tier (``--cpu-blocks`` or ``cpu_blocks`` with ``cpu_bytes_to_use``),
+            besides what :class:`~kvcascade.CascadeConfig` refuses.
+    """
     from .._config import CascadeConfig
 
     extra = _load_config_arg(args.config)
@@ -236,7 +250,18 @@ def build_replay_config(
             tiers.append(valkey[0])
         valkey[0]["url"] = args.valkey
     extra["secondary_tiers"] = tiers
+    extra.setdefault("model_name", REPLAY_MODEL_NAME)
     cpu_blocks = args.cpu_blocks
+    if "cpu_bytes_to_use" in extra and (cpu_blocks is not None or "cpu_blocks" in extra):
+        given = (
+            f"--cpu-blocks {cpu_blocks}"
+            if cpu_blocks is not None
+            else f"cpu_blocks={extra['cpu_blocks']!r}"
+        )
+        raise ConfigError(
+            f"{given} and cpu_bytes_to_use={extra['cpu_bytes_to_use']!r} in --config both size "
+            "the CPU tier; give one of them"
+        )
     if cpu_blocks is None and "cpu_bytes_to_use" not in extra and "cpu_blocks" not in extra:
         cpu_blocks = DEFAULT_CPU_BLOCKS
     return CascadeConfig.from_extra_config(

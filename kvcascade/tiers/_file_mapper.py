@@ -86,7 +86,7 @@ class FileMapper:
 
 
 def default_identity(
-    model_name: str = "kvcascade-replay",
+    model_name: str | None,
     dtype: str = "int8",
     tokens_per_block: int | Sequence[int] = 512,
     *,
@@ -109,7 +109,8 @@ def default_identity(
     """The identity fields of a namespace (vLLM's FileMapper fields plus kvcascade's).
 
     Args:
-        model_name: model id (e.g. ``"meta-llama/Llama-3.1-8B"``).
+        model_name: model id (e.g. ``"meta-llama/Llama-3.1-8B"``); None only for a
+            configuration without persistent tiers (:class:`FileMapper` refuses it).
         dtype: the resolved KV dtype (never ``"auto"``).
         tokens_per_block: tokens per block, one int for every group or one per KV-cache group.
         tokens_per_hash: tokens covered by one block hash; required when groups differ in

@@ -58,6 +58,7 @@ import asyncio
 import collections
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from contextlib import AbstractContextManager
@@ -83,6 +84,11 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 PROBE_TIMEOUT_S = 0.5
 """Default deadline of one existence probe, seconds (``probe_timeout_s`` of every tier)."""
+CORRUPT_WARNING_INTERVAL_S = 60.0
+"""Seconds between two warnings about corrupt blocks of one tier: the first corrupt block is
+warned about at once, the later ones in one summary at most this often (a damaged disk or a
+second writer corrupts many blocks: no flood), each one a debug line; ``counters
+["corrupt_blocks"]`` counts every one."""
 
 
 class SecondaryTier(ABC):
@@ -136,6 +142,9 @@ class SecondaryTier(ABC):
         self.max_queued_jobs = max_queued_jobs
         self.counters: collections.Counter[str] = collections.Counter()
         self._counters_lock = threading.Lock()  # counts made on I/O threads
+        # _corrupt's rate limit (under _counters_lock): when it last warned, blocks since then.
+        self._corrupt_warned_at: float | None = None
+        self._corrupt_unwarned = 0
         self._lookup = AsyncLookup(self)
         self._jobs = TierJobs(self)
 
@@ -213,14 +222,43 @@ class SecondaryTier(ABC):
         return self._jobs.abandoned()
 
     def _corrupt(self, exc: CorruptBlockError, delete: Callable[[], _T]) -> _T:
-        """A block failed its integrity check: count it (``counters["corrupt_blocks"]``), warn
-        once, and delete it with ``delete`` (the tier's deletion, which also drops the block
+        """A block failed its integrity check: count it (``counters["corrupt_blocks"]``), log
+        it, and delete it with ``delete`` (the tier's deletion, which also drops the block
         from its index; a native tier's returns an awaitable, which this returns for the caller
         to await); the caller then fails the block, so that it is recomputed, never served.
-        Safe on any thread."""
+
+        The tier's first corrupt block is a warning; after it, one warning at most every
+        :data:`CORRUPT_WARNING_INTERVAL_S` seconds, with the count since the previous warning
+        and in all, and a debug line for every other block. Safe on any thread."""
+        now = time.monotonic()
         with self._counters_lock:
             self.counters["corrupt_blocks"] += 1
-        log.warning("tier %s: %s; deleted, block treated as a miss", self.name, exc)
+            total = self.counters["corrupt_blocks"]
+            last = self._corrupt_warned_at
+            warn = last is None or now - last >= CORRUPT_WARNING_INTERVAL_S
+            self._corrupt_unwarned += 1
+            since = self._corrupt_unwarned
+            if warn:
+                self._corrupt_warned_at = now
+                self._corrupt_unwarned = 0
+        if last is None:
+            log.warning(
+                "tier %s: %s; deleted, block treated as a miss (later corrupt blocks of this "
+                "tier: one warning per %.0f s at most)",
+                self.name,
+                exc,
+                CORRUPT_WARNING_INTERVAL_S,
+            )
+        else:
+            log.log(
+                logging.WARNING if warn else logging.DEBUG,
+                "tier %s: %s; deleted, block treated as a miss (%d corrupt blocks since the "
+                "last warning, %d in all)",
+                self.name,
+                exc,
+                since,
+                total,
+            )
         return delete()
 
     def _announce_removed(self, keys: Sequence[bytes]) -> None:

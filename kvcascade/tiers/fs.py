@@ -178,7 +178,9 @@ class FileSystemTier(SecondaryTier):
 
     Args:
         host: the primary tier's buffer.
-        root_dir: directory of the tier (created with mode 0700 if missing).
+        root_dir: directory of the tier; created with mode 0700 (missing parents too) if
+            missing, with a warning naming it, so that a mistyped path is seen before it fills
+            another disk.
         mapper: the namespace (:class:`FileMapper`).
         name: tier name in metrics and events (default ``"fs"``).
         io_threads: I/O threads (half prefer loads, half stores).
@@ -231,9 +233,19 @@ class FileSystemTier(SecondaryTier):
         self.mapper = mapper
         self.max_bytes = max_bytes
         self.block_file_bytes = file_size(host.block_bytes)
-        if self.root.exists() and not self.root.is_dir():
-            raise ConfigError(f"fs tier root_dir {str(self.root)!r} exists and is not a directory")
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.root.exists():
+            if not self.root.is_dir():
+                raise ConfigError(
+                    f"fs tier root_dir {str(self.root)!r} exists and is not a directory"
+                )
+        else:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            log.warning(
+                "fs tier %s: root_dir %s did not exist; created it (check the path if an "
+                "existing directory was meant)",
+                name,
+                self.root.resolve(),
+            )
         self._prefix = os.path.join(self.root, "")
         self._write_config()
         self.data_dir = self.root / mapper.namespace

@@ -40,6 +40,9 @@ class TierContext:
 
 TierFactory = Callable[..., SecondaryTier]
 
+#: vLLM's names of built-in types (its ``tiering/factory.py``) → kvcascade's.
+_ALIASES = {"example": "memory", "obj": "s3"}
+
 _REGISTRY: dict[str, str | TierFactory] = {
     "fs": "kvcascade.tiers.registry:_fs_factory",
     "memory": "kvcascade.tiers.memory:memory_tier_factory",
@@ -75,6 +78,18 @@ def _valkey_factory(ctx: TierContext, **kwargs: Any) -> SecondaryTier:
             "pip install 'kvcascade[valkey]'"
         ) from exc
     return valkey_tier_from_config(ctx.host, ctx.mapper(), kwargs)
+
+
+#: Types whose blocks live and die with the process that made them (no namespace needed).
+_PROCESS_LOCAL = frozenset({"memory", "example"})
+
+
+def is_process_local(tier_cfg: dict[str, Any]) -> bool:
+    """Whether a ``secondary_tiers`` entry keeps its blocks only inside this process (the
+    built-in ``memory`` tier). Every other type — fs, s3, valkey, a registered or
+    ``module_path`` type — may keep them where another process or a later run reads them, so
+    its namespace needs a ``model_name`` (:class:`kvcascade.CascadeConfig`)."""
+    return tier_cfg["type"] in _PROCESS_LOCAL and not tier_cfg.get("module_path")
 
 
 def register_secondary_tier(type_name: str, factory: str | TierFactory) -> None:
@@ -120,9 +135,11 @@ def resolve_tier_factory(tier_cfg: dict[str, Any]) -> TierFactory:
         return lambda ctx, **kw: cls(ctx.host, **kw)
     entry = _REGISTRY.get(kind)
     if entry is None:
-        known = ", ".join(registered_secondary_tiers())
+        types = [t for t in registered_secondary_tiers() if t not in _ALIASES]
+        aliases = ", ".join(f"{alias} = {name}" for alias, name in _ALIASES.items())
         raise ConfigError(
-            f"Unknown secondary tier type {kind!r}; known: {known} (or give 'module_path')"
+            f"Unknown secondary tier type {kind!r}; known: {', '.join(types)} (vLLM's names "
+            f"{aliases} are accepted too), or a class name with 'module_path'"
         )
     return _resolve(entry) if isinstance(entry, str) else entry
 
