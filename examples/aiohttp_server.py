@@ -15,14 +15,20 @@ its own, so a prompt seen before comes back from the CPU or fs tier.
 are looked up, the cached prefix is loaded into the request's blocks (in parts when the CPU tier
 has fewer free slots than the prefix has blocks) and checked against the bytes its prefill
 would compute, the rest is "prefilled" (written into the engine's tensor
-from the tokens) and stored. Answer: ``{"blocks", "cached", "tiers", "verified"}``.
-``GET /stats``: the cascade's counters and the requests served.
+from the tokens) and stored. Answer: ``{"blocks", "cached", "tiers", "verified"}``; a body
+that is not such JSON is answered 400 with what was wrong.
+``GET /stats``: ``{"served", "blocks", "bytes", "tiers", "failures"}`` — requests served; the
+prompt blocks asked for, found cached, loaded per tier and stored; the bytes loaded into and
+stored from the engine's tensor; per tier the lookups, hits and bytes promoted from / cascaded
+to it (the coordinator's Prometheus series, :class:`kvcascade.TieringMetrics`); the cascade's
+failure counters.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import hashlib
 import tempfile
 from collections.abc import AsyncIterator
@@ -36,6 +42,14 @@ BLOCK_TOKENS = 16
 HEADS, HEAD_DIM = 2, 32
 GPU_BLOCKS = 256
 BLOCK_BYTES = 2 * BLOCK_TOKENS * HEADS * HEAD_DIM * 2  # K and V of one block, float16
+MODEL_NAME = "aiohttp-example"  # the fs tier's namespace: give your model's id
+#: ``/stats`` per-tier field → the coordinator's series (kvcascade/metrics.py).
+TIER_SERIES = {
+    "lookups": "block_queries",
+    "hits": "block_hits",
+    "read_bytes": "read_bytes",
+    "write_bytes": "write_bytes",
+}
 
 
 class Engine:
@@ -49,6 +63,8 @@ class Engine:
         self._free = list(range(GPU_BLOCKS))
         self._freed = asyncio.Condition()
         self.served = 0
+        self.blocks: collections.Counter[str] = collections.Counter()
+        self.bytes: collections.Counter[str] = collections.Counter()
 
     async def allocate(self, n: int) -> list[int]:
         """``n`` free blocks, waiting for other requests to free theirs."""
@@ -88,7 +104,12 @@ def expected_kv(key: bytes) -> torch.Tensor:
 
 async def generate(request: web.Request) -> web.Response:
     cascade, engine = request.app[CASCADE], request.app[ENGINE]
-    body = await request.json()
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise web.HTTPBadRequest(
+            text=f'body is not JSON ({exc}); expected {{"tokens": [int, ...]}}'
+        ) from None
     tokens = body.get("tokens") if isinstance(body, dict) else None
     if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
         raise web.HTTPBadRequest(text='expected {"tokens": [int, ...]}')
@@ -105,7 +126,9 @@ async def generate(request: web.Request) -> web.Response:
             if not found.num_hits:
                 break
             part = blocks[cached : cached + found.num_hits]
-            loaded = (await cascade.load(found.keys, ctx, part)).loaded
+            result = await cascade.load(found.keys, ctx, part)
+            loaded = result.loaded
+            engine.bytes["loaded"] += result.bytes
             tiers += found.tiers[:loaded]
             cached += loaded
             if loaded < found.num_hits:
@@ -116,7 +139,9 @@ async def generate(request: web.Request) -> web.Response:
         for i in range(cached, len(keys)):
             engine.prefill(keys[i], blocks[i])
         if cached < len(keys):  # returns once copied out of our blocks
-            await cascade.store(keys[cached:], ctx, blocks[cached:])
+            stored = await cascade.store(keys[cached:], ctx, blocks[cached:])
+            engine.blocks["stored"] += len(stored.stored)
+            engine.bytes["stored"] += stored.bytes
             # Answer once the blocks reached every tier (a server would not wait; the example
             # does, so that what a response reports stored is in the fs tier too).
             await cascade.wait_cascades()
@@ -124,15 +149,30 @@ async def generate(request: web.Request) -> web.Response:
         cascade.finish_request(ctx)  # also when the client went away: release the pins
         await engine.free(blocks)
     engine.served += 1
+    engine.blocks.update(requested=len(keys), cached=cached)
+    engine.blocks.update(f"loaded_from_{tier}" for tier in tiers)
     return web.json_response(
         {"blocks": len(keys), "cached": cached, "tiers": tiers, "verified": verified}
     )
 
 
 async def stats(request: web.Request) -> web.Response:
-    cascade = request.app[CASCADE]
-    counters = dict(cascade.counters)
-    return web.json_response({"served": request.app[ENGINE].served, "counters": counters})
+    cascade, engine = request.app[CASCADE], request.app[ENGINE]
+    metrics = cascade.coordinator.metrics
+    places = {"cpu": None, **{tier.name: i for i, tier in enumerate(cascade.tiers)}}
+    tiers = {
+        name: {field: int(metrics.value(series, idx)) for field, series in TIER_SERIES.items()}
+        for name, idx in places.items()
+    }
+    return web.json_response(
+        {
+            "served": engine.served,
+            "blocks": dict(engine.blocks),
+            "bytes": dict(engine.bytes),
+            "tiers": tiers,
+            "failures": dict(cascade.counters),
+        }
+    )
 
 
 def make_app(fs_dir: str) -> web.Application:
@@ -146,6 +186,7 @@ def make_app(fs_dir: str) -> web.Application:
             gpu_blocks=GPU_BLOCKS,
             cpu_blocks=32,  # small: older prefixes come back from the fs tier
             secondary_tiers=[{"type": "fs", "root_dir": fs_dir}],
+            model_name=MODEL_NAME,
         )
         async with kc.open_cascade(config, kv_views=app[ENGINE].views) as cascade:
             app[CASCADE] = cascade

@@ -4,6 +4,7 @@ from tests/integrations/test_vllm_e2e.py's environment only, so it is only synta
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import py_compile
 import subprocess
@@ -105,16 +106,37 @@ async def test_aiohttp_server_example_serves_concurrent_requests(tmp_path: Path)
             async def wave(prompts: list[list[int]]) -> list[dict]:
                 return await asyncio.gather(*(one(p) for p in prompts))
 
+            answers = []
             for prompts in waves:
                 results = await wave(prompts)
                 assert all(r["blocks"] == 2 and r["verified"] == r["cached"] for r in results)
+                answers += results
             again = await wave(waves[0])
             assert [(r["cached"], r["verified"]) for r in again] == [(2, 2)] * 8, again
             assert [r["tiers"] for r in again] == [["cpu", "fs"]] * 8
+            answers += again
             async with session.get(f"{base}/stats") as resp:
-                assert (await resp.json())["served"] == 48
+                stats = await resp.json()
+            # /stats adds up what the answers said, and the tiers' series agree with it
+            cached = sum(r["cached"] for r in answers)
+            loaded = collections.Counter(t for r in answers for t in r["tiers"])
+            assert stats["served"] == 48
+            assert stats["blocks"]["requested"] == 96 and stats["blocks"]["cached"] == cached
+            assert stats["blocks"]["loaded_from_fs"] == loaded["fs"] >= 8
+            assert stats["blocks"]["loaded_from_cpu"] == loaded["cpu"] >= 8
+            stored = stats["blocks"]["stored"]
+            assert 96 - cached >= stored >= 41  # each of the 41 distinct blocks at least once
+            assert stats["bytes"] == {"loaded": cached * 4096, "stored": stored * 4096}
+            assert set(stats["tiers"]) == {"cpu", "fs"}
+            assert stats["tiers"]["fs"]["hits"] >= loaded["fs"]
+            assert stats["tiers"]["fs"]["read_bytes"] == loaded["fs"] * 4096
+            assert stats["tiers"]["fs"]["write_bytes"] == stored * 4096
+            assert stats["failures"] == {}
             async with session.post(f"{base}/generate", json={"tokens": "x"}) as resp:
                 assert resp.status == 400
+            async with session.post(f"{base}/generate", data=b"{not json") as resp:
+                assert resp.status == 400
+                assert "body is not JSON" in await resp.text()
     finally:
         proc.terminate()
         _, err = await asyncio.to_thread(proc.communicate, None, 60)
