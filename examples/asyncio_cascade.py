@@ -29,6 +29,7 @@ async def main(fs_dir: str) -> None:
         gpu_blocks=64,
         cpu_blocks=4,  # tiny on purpose: the CPU tier must evict to the fs tier
         secondary_tiers=[{"type": "fs", "root_dir": fs_dir}],
+        model_name="asyncio-example",  # the fs tier's namespace: give your model's id
     )
     tokens = list(range(8 * 16))  # a prompt of 8 blocks of 16 tokens
     keys = [kc.make_offload_key(block_hash(tokens[: (i + 1) * 16]), 0) for i in range(8)]

@@ -33,6 +33,7 @@ def config(url: str, prefix: str) -> kc.CascadeConfig:
         gpu_blocks=32,
         cpu_blocks=BLOCKS,
         secondary_tiers=[{"type": "valkey", "url": url, "prefix": prefix}],
+        model_name="shared-pool-example",  # one model: both engines share its namespace
     )
 
 

@@ -3,7 +3,12 @@
 After vLLM v1's ``kv_offload`` tiering. Public surface::
 
     import kvcascade as kc
-    async with kc.open_cascade(kc.CascadeConfig(cpu_blocks=1024)) as cascade:
+    config = kc.CascadeConfig(
+        cpu_blocks=1024,
+        secondary_tiers=[{"type": "fs", "root_dir": "kv-cache"}],
+        model_name="meta-llama/Llama-3.1-8B",  # required with a persistent tier: its namespace
+    )
+    async with kc.open_cascade(config) as cascade:
         ...
 
 The names are imported on first use (PEP 562), so ``kvcascade --help`` and ``--version`` start

@@ -179,13 +179,15 @@ class CascadeConfig:
                         "would evict or delete the other's files; give each its own directory"
                     )
                 roots[root] = name
-            if self.model_name is None and not is_process_local(tier):
-                raise ConfigError(
-                    f"model_name is required with secondary tier {name!r} (type "
-                    f"{tier['type']!r}): its blocks outlive this process or are shared, and "
-                    "engines of equal geometry but different models would read each other's "
-                    "KV; set model_name to the model's id (e.g. 'meta-llama/Llama-3.1-8B')"
-                )
+        persistent = [t for t in self.secondary_tiers if not is_process_local(t)]
+        if self.model_name is None and persistent:
+            tier = persistent[0]
+            raise ConfigError(
+                f"model_name is required with secondary tier {tier.get('name', tier['type'])!r} "
+                f"(type {tier['type']!r}): its blocks outlive this process or are shared, and "
+                "engines of equal geometry but different models would read each other's KV; "
+                "set model_name to the model's id (e.g. 'meta-llama/Llama-3.1-8B')"
+            )
 
     def __repr__(self) -> str:
         fields = ", ".join(

@@ -36,6 +36,7 @@ def config(cpu_blocks: int, tier: dict | None = None, gpu_blocks: int = 8) -> kc
         gpu_blocks=gpu_blocks,
         cpu_blocks=cpu_blocks,
         secondary_tiers=[tier or {"type": "memory"}],
+        model_name="test-model",
     )
 
 
@@ -200,6 +201,7 @@ async def test_failed_start_of_a_second_tier_stops_the_first() -> None:
             {"type": "memory"},
             {"type": "UnreachableTier", "module_path": "test_cascade", "name": "down"},
         ],
+        model_name="test-model",
     )
     with pytest.raises(kc.TierUnavailableError, match="not reachable"):
         async with kc.open_cascade(cfg):
@@ -276,7 +278,9 @@ async def test_invalidate_removes_keys_from_every_tier(tmp_path) -> None:
     """Issue #21 item 6: invalidated keys are gone from the primary, the memory tier and the
     fs tier's files; a key a request is reading stays in the primary and is reported."""
     tiers = [{"type": "memory"}, {"type": "fs", "root_dir": str(tmp_path)}]
-    cfg = kc.CascadeConfig(block_bytes=64, gpu_blocks=8, cpu_blocks=8, secondary_tiers=tiers)
+    cfg = kc.CascadeConfig(
+        block_bytes=64, gpu_blocks=8, cpu_blocks=8, secondary_tiers=tiers, model_name="m"
+    )
     async with kc.open_cascade(cfg) as cascade:
         ctx = kc.ReqContext("w")
         keys = [key(i) for i in range(4)]
@@ -306,7 +310,9 @@ async def test_start_up_logs_one_line_with_tiers_capacities_and_paths(tmp_path, 
     capacity and each tier with its directory and bound (never a secret)."""
     caplog.set_level(logging.INFO, logger="kvcascade._lifecycle")
     tiers = [{"type": "memory"}, {"type": "fs", "root_dir": str(tmp_path), "max_bytes": 10**6}]
-    cfg = kc.CascadeConfig(block_bytes=64, gpu_blocks=8, cpu_blocks=16, secondary_tiers=tiers)
+    cfg = kc.CascadeConfig(
+        block_bytes=64, gpu_blocks=8, cpu_blocks=16, secondary_tiers=tiers, model_name="m"
+    )
     async with kc.open_cascade(cfg):
         lines = [r.getMessage() for r in caplog.records if "tiers ready" in r.getMessage()]
     assert lines == [
@@ -339,7 +345,9 @@ async def test_the_engines_own_kv_tensors_are_copied_to_and_from(tmp_path) -> No
     views += kc.canonical_views({"layer1": kv["layer1"]}, "cpu")
     assert [v.shape[1] for v in views] == [256, 256, 512]
     tiers = [{"type": "fs", "root_dir": str(tmp_path)}]
-    cfg = kc.CascadeConfig(block_bytes=1024, gpu_blocks=16, cpu_blocks=2, secondary_tiers=tiers)
+    cfg = kc.CascadeConfig(
+        block_bytes=1024, gpu_blocks=16, cpu_blocks=2, secondary_tiers=tiers, model_name="m"
+    )
     gen = torch.Generator().manual_seed(5)
     for t in kv.values():
         t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
@@ -422,3 +430,42 @@ async def test_promotions_of_requests_finished_unread_free_their_primary_slots()
         assert hits == [1, 1, 1, 1]
         cascade.coordinator.poll_now()
         assert cascade.primary.num_evictable == 2  # nothing left pinned or being written
+
+
+async def test_models_sharing_an_fs_directory_see_only_their_own_blocks(tmp_path) -> None:
+    """Tenant isolation: three cascades open at once on one fs directory with equal geometry.
+    Model "a" stores four blocks; model "b" finds none of them (its namespace is another
+    directory), a second cascade of model "a" finds all four in the fs tier and loads them
+    byte-exact."""
+
+    def make(model: str) -> kc.CascadeConfig:
+        tiers = [{"type": "fs", "root_dir": str(tmp_path)}]
+        return kc.CascadeConfig(
+            block_bytes=64, gpu_blocks=8, cpu_blocks=8, secondary_tiers=tiers, model_name=model
+        )
+
+    keys = [key(i) for i in range(4)]
+    async with contextlib.AsyncExitStack() as stack:
+        writer, other, same = [
+            await stack.enter_async_context(kc.open_cascade(make(m))) for m in ("a", "b", "a")
+        ]
+        writer.device.kv[:4] = torch.arange(1, 5, dtype=torch.int8)[:, None]  # block i: i + 1
+        ctx = kc.ReqContext("w")
+        assert len((await writer.store(keys, ctx, [0, 1, 2, 3])).stored) == 4
+        await writer.wait_cascades()
+        writer.finish_request(ctx)
+
+        ctx = kc.ReqContext("b")
+        assert (await other.lookup_prefix(keys, ctx)).num_hits == 0
+        other.finish_request(ctx)
+        assert other.tiers[0].counters["corrupt_blocks"] == 0
+
+        ctx = kc.ReqContext("a2")
+        found = await same.lookup_prefix(keys, ctx)
+        assert found.num_hits == 4 and list(found.tiers) == ["fs"] * 4
+        assert (await same.load(found.keys, ctx, [4, 5, 6, 7])).loaded == 4
+        same.finish_request(ctx)
+        assert torch.equal(same.device.kv[4:], writer.device.kv[:4])
+        assert_idle(same)
+    namespaces = sorted(p.name.split("_")[0] for p in tmp_path.iterdir())
+    assert namespaces == ["a", "a", "b", "b"]  # <model>_<digest> (config.json) and its _r0

@@ -39,6 +39,42 @@ def test_two_fs_tiers_on_one_directory_are_refused(tmp_path: Path) -> None:
         {"type": "fs", "root_dir": f"{tmp_path}/./", "name": "bounded", "max_bytes": 1 << 20},
     ]
     with pytest.raises(kc.ConfigError, match="'fs' and 'bounded' share root_dir"):
-        kc.CascadeConfig(cpu_blocks=4, secondary_tiers=tiers)
+        kc.CascadeConfig(cpu_blocks=4, secondary_tiers=tiers, model_name="m")
     tiers[1]["root_dir"] = str(tmp_path / "other")
-    kc.CascadeConfig(cpu_blocks=4, secondary_tiers=tiers)  # two directories: fine
+    kc.CascadeConfig(cpu_blocks=4, secondary_tiers=tiers, model_name="m")  # two directories
+
+
+@pytest.mark.parametrize(
+    "tier",
+    [
+        {"type": "fs", "root_dir": "R"},
+        {"type": "s3", "bucket": "b", "name": "objects"},
+        {"type": "valkey", "url": "redis://127.0.0.1:1"},
+        {"type": "MemoryTier", "module_path": "kvcascade.tiers.memory", "name": "plugin"},
+    ],
+)
+def test_a_persistent_tier_without_model_name_is_refused(tier: dict, tmp_path: Path) -> None:
+    """Two embedders of equal geometry on one directory, bucket or server would share a
+    namespace without a model name, and read each other's KV: refused, naming the key and the
+    tier, before the disk is touched; with model_name the same entry is accepted. An
+    out-of-tree tier may keep its blocks anywhere: it needs one too."""
+    if tier.get("root_dir") == "R":
+        tier["root_dir"] = str(tmp_path / "kv")
+    name = tier.get("name", tier["type"])
+    with pytest.raises(kc.ConfigError) as err:
+        kc.CascadeConfig(cpu_blocks=4, secondary_tiers=[{"type": "memory"}, tier])
+    assert str(err.value).startswith(f"model_name is required with secondary tier {name!r}")
+    with pytest.raises(kc.ConfigError, match="model_name is required"):
+        kc.CascadeConfig.from_extra_config({"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [tier]})
+    assert not (tmp_path / "kv").exists()
+    config = kc.CascadeConfig(cpu_blocks=4, secondary_tiers=[tier], model_name="org/model")
+    assert config.model_name == "org/model"
+
+
+def test_cpu_and_memory_only_configs_need_no_model_name() -> None:
+    """Blocks that die with the process need no namespace (vLLM's ``example`` is ``memory``)."""
+    assert kc.CascadeConfig(cpu_blocks=4).model_name is None
+    for kind in ("memory", "example"):
+        assert kc.CascadeConfig(cpu_blocks=4, secondary_tiers=[{"type": kind}]).model_name is None
+    with pytest.raises(kc.ConfigError, match="model_name must be a non-empty string, got ''"):
+        kc.CascadeConfig(cpu_blocks=4, model_name="")

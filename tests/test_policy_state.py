@@ -25,6 +25,7 @@ def _config(root: Path, policy: str = "turn_aware") -> kc.CascadeConfig:
         cpu_blocks=4,
         eviction_policy=policy,
         secondary_tiers=[{"type": "fs", "root_dir": str(root)}],
+        model_name="test-model",
     )
 
 
