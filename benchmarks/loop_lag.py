@@ -89,7 +89,11 @@ async def one_round(
     new cascade on ``root``; per phase: (lag samples, seconds)."""
     tiers = [{"type": "fs", "root_dir": root, "io_threads": io_threads}]
     config = kc.CascadeConfig(
-        block_bytes=block_bytes, gpu_blocks=batch, cpu_blocks=batch * 2, secondary_tiers=tiers
+        block_bytes=block_bytes,
+        gpu_blocks=batch,
+        cpu_blocks=batch * 2,
+        secondary_tiers=tiers,
+        model_name="bench-loop-lag",
     )
     keys = [kc.make_offload_key(i.to_bytes(8, "big"), 0) for i in range(blocks)]
     out: dict[str, tuple[list[float], float]] = {}

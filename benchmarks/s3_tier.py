@@ -168,7 +168,7 @@ async def bench_size(args: argparse.Namespace, client: Any, block: int) -> dict[
         for repeat in range(args.repeats):
             salt = uuid.uuid4().hex
             tier = s3_tier_from_config(
-                host, FileMapper(default_identity()), tier_config(args, salt)
+                host, FileMapper(default_identity("bench-s3")), tier_config(args, salt)
             )
             prefix = f"raw-{salt}/"
             names = [f"{prefix}{i:06d}.bin" for i in range(n)]

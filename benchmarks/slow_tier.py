@@ -72,6 +72,7 @@ def config(endpoint: str, bucket: str, fs_dir: str, cpu_blocks: int) -> kc.Casca
             },
             {"type": "fs", "root_dir": fs_dir},
         ],
+        model_name="bench-slow-tier",
     )
 
 

@@ -134,7 +134,7 @@ async def bench_size(args: argparse.Namespace, block: int) -> dict[str, float]:
     pool = aioredis.BlockingConnectionPool.from_url(args.url, max_connections=args.concurrency)
     client = aioredis.Redis.from_pool(pool)
     cfg = {"url": args.url, "max_concurrency": args.concurrency, "prefix": uuid.uuid4().hex}
-    tier = valkey_tier_from_config(host, FileMapper(default_identity()), cfg)
+    tier = valkey_tier_from_config(host, FileMapper(default_identity("bench-valkey")), cfg)
     started = asyncio.Event()
     actor = asyncio.create_task(tier.serve(started.set))
     await started.wait()

@@ -96,7 +96,8 @@ class CascadeConfig:
         eviction_policy: primary-tier policy name or ``"module:Class"`` (default
             ``"adaptive"``: turn-aware while a miniature simulation says it beats LRU, else LRU;
             docs/policies.md; ``"lru"`` is vLLM's default).
-        secondary_tiers: list of tier dicts, each with ``type`` (``fs``, ``memory``/``example``,
+        secondary_tiers: list of tier dicts, each with ``type`` (``fs``, ``memory``, ``s3``,
+            ``valkey`` — vLLM's ``example`` and ``obj`` are aliases of ``memory`` and ``s3`` —,
             a registered type, or a class name with ``module_path``) and that tier's keys, in
             cascade order; ``name`` (default: the type) must be unique.
         model_name: the model's id (e.g. ``"meta-llama/Llama-3.1-8B"``), the first field of the

@@ -145,6 +145,7 @@ class CascadeModel(RuleBasedStateMachine):
             cpu_blocks=cpu_blocks,
             secondary_tiers=[fs, mem],
             pending_write_timeout_s=write_timeout,
+            model_name="test-model",
         )
         self._open()
 

@@ -20,7 +20,7 @@ import pytest
 from valkey_fixtures import Server, needs_server
 
 from kvcascade import CascadeConfig, TraceError
-from kvcascade.replay.cli import main
+from kvcascade.replay.cli import REPLAY_MODEL_NAME, main
 from kvcascade.replay.run import block_key, expected_bytes, run_replay
 from kvcascade.replay.trace import TraceRequest, bundled_trace, read_trace
 from kvcascade.tiers._block_format import HEADER_BYTES, check_block, encode_header
@@ -132,6 +132,7 @@ def test_fs_tier_serves_what_the_cpu_tier_evicted(
         gpu_blocks=256,
         cpu_blocks=250,
         secondary_tiers=[{"type": "fs", "root_dir": str(tmp_path)}],
+        model_name=REPLAY_MODEL_NAME,
     )
     report = run_replay(trace[:200], config)
     assert report.hit_blocks["fs"] > 0
@@ -147,10 +148,16 @@ def test_corrupt_block_file_is_detected_and_recomputed(
 ) -> None:
     """A byte flipped in a block file is caught before use: counted corrupt, treated as a miss."""
     tiers = [{"type": "fs", "root_dir": str(tmp_path)}]
-    config = CascadeConfig(block_bytes=256, gpu_blocks=256, cpu_blocks=8, secondary_tiers=tiers)
+    config = CascadeConfig(
+        block_bytes=256,
+        gpu_blocks=256,
+        cpu_blocks=8,
+        secondary_tiers=tiers,
+        model_name=REPLAY_MODEL_NAME,
+    )
     first = run_replay(trace[:50], config)
     assert first.corrupt_blocks == 0
-    mapper = FileMapper(default_identity(block_bytes=256))
+    mapper = FileMapper(default_identity(REPLAY_MODEL_NAME, block_bytes=256))
     first_key = block_key(trace[1].hash_ids[0])
     path = tmp_path / mapper.relative_path(first_key)
     data = bytearray(path.read_bytes())
@@ -434,6 +441,57 @@ def test_config_values_are_checked_before_running(
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--cpu-blocks", "16", "--config", '{"cpu_bytes_to_use": 1048576}'],
+            "--cpu-blocks 16 and cpu_bytes_to_use=1048576 in --config both size the CPU tier",
+        ),
+        (
+            ["--config", '{"cpu_blocks": 16, "cpu_bytes_to_use": 1048576}'],
+            "cpu_blocks=16 and cpu_bytes_to_use=1048576 in --config both size the CPU tier",
+        ),
+    ],
+)
+def test_two_sizes_of_the_cpu_tier_are_refused(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--cpu-blocks`` used to win silently over ``--config``'s ``cpu_bytes_to_use``."""
+    assert main(["replay", "--requests", "2", "--quiet", "--no-fs", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cpu_bytes_to_use_from_config_sizes_the_cpu_tier(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["replay", "--requests", "2", "--quiet", "--no-fs"]
+    assert main([*argv, "--config", '{"cpu_bytes_to_use": 1048576}']) == 0
+    assert _rows(capsys.readouterr().out)["cpu blocks"] == "256"  # 1 MiB / 4096 B
+
+
+def test_a_missing_fs_dir_is_created_with_a_warning_and_named_for_the_replay(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--fs-dir`` naming a directory that does not exist: the fs tier creates it and warns,
+    naming it (a mistyped path must not fill another disk unseen); an existing one is used
+    without a warning. The namespace is the replay's model name unless ``--config`` gives one."""
+    fs_dir = tmp_path / "new" / "kv"
+    argv = ["replay", "--requests", "2", "--quiet", "--fs-dir", str(fs_dir)]
+    assert main(argv) == 0
+    created = [r.getMessage() for r in caplog.records if "did not exist" in r.getMessage()]
+    assert created == [
+        f"fs tier fs: root_dir {fs_dir} did not exist; created it (check the path if an "
+        "existing directory was meant)"
+    ]
+    assert [r.levelname for r in caplog.records if "did not exist" in r.getMessage()] == ["WARNING"]
+    caplog.clear()
+    assert main([*argv, "--config", '{"model_name": "org/model"}']) == 0
+    assert not [r for r in caplog.records if "did not exist" in r.getMessage()]
+    models = sorted({p.name.rsplit("_", 2)[0] for p in fs_dir.iterdir()})
+    assert models == ["kvcascade-replay", "org_model"]
+
+
 def _rows(table: str) -> dict[str, str]:
     """The report table's ``label  value`` rows (label: everything before the last field)."""
     rows = {}
@@ -501,11 +559,14 @@ def test_a_block_served_wrong_has_its_own_line_and_fails_the_run(
             gpu_blocks=256,
             cpu_blocks=8,
             secondary_tiers=[{"type": "fs", "root_dir": str(fs_dir)}],
+            model_name=REPLAY_MODEL_NAME,  # the command's, read back below
         ),
     )
     assert first.mismatched_blocks == 0
     victim, donor = trace[1].hash_ids[0], trace[2].hash_ids[-1]
-    path = fs_dir / FileMapper(default_identity(block_bytes=256)).relative_path(block_key(victim))
+    path = fs_dir / FileMapper(default_identity(REPLAY_MODEL_NAME, block_bytes=256)).relative_path(
+        block_key(victim)
+    )
     payload = expected_bytes([donor], 256)[0].tobytes()
     forged = bytearray(path.read_bytes())
     encode_header(block_key(victim), payload, memoryview(forged)[:HEADER_BYTES])
@@ -543,6 +604,7 @@ def test_a_tier_killed_mid_run_shows_in_its_own_rows(
             gpu_blocks=256,
             cpu_blocks=64,
             secondary_tiers=[{"type": "valkey", "url": srv.url, "io_timeout_s": 5.0}],
+            model_name=REPLAY_MODEL_NAME,
         )
         report = run_replay(trace[:120], config, progress)
     finally:

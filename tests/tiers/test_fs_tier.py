@@ -35,7 +35,7 @@ from tier_helpers import BLOCK, job, key, load, lookups, pattern, running, store
 import kvcascade as kc
 from kvcascade import LookupResult as R
 from kvcascade.ops import _build
-from kvcascade.tiers import fs
+from kvcascade.tiers import base, fs
 from kvcascade.tiers._block_format import (
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -67,7 +67,7 @@ def io_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def mapper(**fields: Any) -> FileMapper:
-    return FileMapper(default_identity(**fields))
+    return FileMapper(default_identity(**{"model_name": "test-model", **fields}))
 
 
 def make_tier(root: Path, host: kc.HostBuffer, **kw: Any) -> FileSystemTier:
@@ -387,6 +387,55 @@ async def test_corrupt_file_is_deleted_and_verdict_corrected(
         assert await lookups(tier, [key(1)], kc.ReqContext("new")) == [R.MISS]
 
 
+async def test_corrupt_block_warnings_are_rate_limited_and_the_count_exact(
+    tmp_path: Path,
+    host: kc.HostBuffer,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A damaged disk corrupts many blocks: the tier's first corrupt block is a warning, the
+    next ones within CORRUPT_WARNING_INTERVAL_S debug lines, then one warning sums up the blocks
+    since the previous one; counters["corrupt_blocks"] counts every block."""
+    caplog.set_level(logging.DEBUG, logger="kvcascade.tiers.base")
+    tier = make_tier(tmp_path, host)
+    async with running(tier):
+        assert (await store(tier, host, list(range(6)))).success
+        for i in range(6):
+            path = tmp_path / tier.mapper.relative_path(key(i))
+            data = bytearray(path.read_bytes())
+            data[HEADER_BYTES + 7] ^= 0x01
+            path.write_bytes(data)
+
+        async def corrupt(i: int) -> None:
+            assert not (await load(tier, [i], [8])).success
+
+        def logged(level: str) -> list[str]:
+            return [
+                r.getMessage().rpartition("miss ")[2]
+                for r in caplog.records
+                if r.levelname == level and "treated as a miss" in r.getMessage()
+            ]
+
+        for i in range(4):
+            await corrupt(i)
+        [first] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert first.startswith(f"tier fs: {tier.path_of(key(0))}: checksum mismatch")
+        assert logged("WARNING") == [
+            "(later corrupt blocks of this tier: one warning per 60 s at most)"
+        ]
+        assert logged("DEBUG") == [
+            f"({n} corrupt blocks since the last warning, {n + 1} in all)" for n in (1, 2, 3)
+        ]
+        monkeypatch.setattr(base, "CORRUPT_WARNING_INTERVAL_S", 0.0)  # the interval is over
+        await corrupt(4)
+        await corrupt(5)
+        assert logged("WARNING")[1:] == [
+            "(4 corrupt blocks since the last warning, 5 in all)",
+            "(1 corrupt blocks since the last warning, 6 in all)",
+        ]
+        assert tier.counters["corrupt_blocks"] == 6
+
+
 @pytest.mark.parametrize(("bad", "expected"), [(2, [0, 1]), (0, None)])
 async def test_batched_load_keeps_blocks_before_the_corrupt_one(
     tmp_path: Path, host: kc.HostBuffer, bad: int, expected: list[int] | None
@@ -452,10 +501,10 @@ async def test_cross_tp_replicated_round_trip(tmp_path: Path, host: kc.HostBuffe
     share the namespace and the file path; the reader HITs and loads identical bytes."""
     fields = dict(parallel_agnostic=True, config_replicated=True)
     writer = FileSystemTier(
-        host, tmp_path, FileMapper(default_identity(tp_size=2, **fields), rank=1)
+        host, tmp_path, FileMapper(default_identity("test-model", tp_size=2, **fields), rank=1)
     )
     reader = FileSystemTier(
-        host, tmp_path, FileMapper(default_identity(tp_size=4, **fields), rank=3)
+        host, tmp_path, FileMapper(default_identity("test-model", tp_size=4, **fields), rank=3)
     )
     assert writer.path_of(key(1)) == reader.path_of(key(1)) and "_r0/" in writer.path_of(key(1))
     async with running(writer, reader):
@@ -647,7 +696,7 @@ _TOUCH_A_SET = textwrap.dedent("""
         tier = FileSystemTier(
             host,
             sys.argv[1],
-            FileMapper(default_identity()),
+            FileMapper(default_identity("test-model")),
             max_bytes=6 * file_size(4096),
             compiled_io=False,
         )
@@ -786,7 +835,7 @@ _EXIT_WITH_A_STUCK_THREAD = textwrap.dedent("""
     assert not compiled or _build.load_extension() is not None
     host = kc.HostBuffer(8, 4096)
     tier = FileSystemTier(
-        host, sys.argv[1], FileMapper(default_identity()), io_threads=1, io_timeout_s=0.3,
+        host, sys.argv[1], FileMapper(default_identity("m")), io_threads=1, io_timeout_s=0.3,
         compiled_io=compiled,
     )
     fifo = Path(tier.path_of(key(9)))
@@ -931,7 +980,7 @@ _WRITER = textwrap.dedent("""
         compiled = sys.argv[2] == "compiled"
         assert not compiled or _build.load_extension() is not None
         tier = FileSystemTier(
-            host, sys.argv[1], FileMapper(default_identity()), io_threads=4, compiled_io=compiled
+            host, sys.argv[1], FileMapper(default_identity("m")), io_threads=4, compiled_io=compiled
         )
         async with asyncio.TaskGroup() as group:
             started = asyncio.Event()
@@ -1341,7 +1390,7 @@ async def test_a_mapper_with_other_paths_keeps_the_python_mover(
         def relative_path(self, key: bytes) -> str:
             return f"{self.namespace}/{key.hex()}.bin"
 
-    tier = FileSystemTier(host, tmp_path, FlatMapper(default_identity()))
+    tier = FileSystemTier(host, tmp_path, FlatMapper(default_identity("test-model")))
     async with running(tier):
         assert (await store(tier, host, [1, 2])).success
         assert tier.compiled_io is False or io_path == "python"
@@ -1549,7 +1598,9 @@ async def test_engines_with_the_same_secret_share_blocks(
 
     def cfg(env: str) -> kc.CascadeConfig:
         tier = {"type": "fs", "root_dir": str(tmp_path), "auth_secret_env": env}
-        return kc.CascadeConfig(block_bytes=64, gpu_blocks=8, cpu_blocks=4, secondary_tiers=[tier])
+        return kc.CascadeConfig(
+            block_bytes=64, gpu_blocks=8, cpu_blocks=4, secondary_tiers=[tier], model_name="m"
+        )
 
     async with kc.open_cascade(cfg("KVC_ENGINE_SECRET")) as writer:
         writer.device.kv[1] = 7

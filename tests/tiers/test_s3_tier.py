@@ -71,7 +71,7 @@ def tier_config(endpoint: str, bucket: str, **kw: Any) -> dict[str, Any]:
 def make_tier(
     endpoint: str, bucket: str, host: kc.HostBuffer, fields: dict[str, Any] | None = None, **kw: Any
 ) -> S3Tier:
-    mapper = FileMapper(default_identity(**(fields or {})))
+    mapper = FileMapper(default_identity("test-model", **(fields or {})))
     return s3_tier_from_config(host, mapper, tier_config(endpoint, bucket, **kw))
 
 
@@ -145,7 +145,7 @@ async def test_object_key_and_format_are_the_fs_tiers(
     """Object key = ``prefix/`` + the fs relative path (no ``//``); the object is the fs block
     file byte for byte: an fs tier serves a downloaded object, the s3 tier an uploaded file."""
     fields = {"tp_size": 2, "parallel_agnostic": True, "config_replicated": True}
-    mapper = FileMapper(default_identity(**fields))
+    mapper = FileMapper(default_identity("test-model", **fields))
     tier = make_tier(moto.endpoint, bucket, host, fields=fields, prefix="/team/kv/")
     fs = FileSystemTier(host, tmp_path, mapper)
     client = moto.client()
@@ -296,11 +296,11 @@ def test_config_keys_aliases_and_no_secret_anywhere(
     """vLLM TestObjStoreConfig in kvcascade terms: ``obj`` is an alias; unknown keys, a missing
     bucket, a half credential pair and bad values are ConfigErrors; no secret in repr or
     messages."""
-    ctx = TierContext(host, default_identity())
+    ctx = TierContext(host, default_identity("test-model"))
     tier = create_secondary_tier({"type": "obj", **tier_config("http://x:1", "b")}, ctx)
     assert isinstance(tier, S3Tier) and tier.name == "obj"
     assert SECRET_KEY not in repr(tier) and SECRET_KEY not in repr(vars(tier))
-    mapper = FileMapper(default_identity())
+    mapper = FileMapper(default_identity("test-model"))
     for cfg, message in [
         ({"bucket": "b", "secret": "x"}, "unknown s3 tier keys \\['secret'\\]"),
         ({}, "needs 'bucket'"),
@@ -368,7 +368,7 @@ async def test_startup_error_says_what_is_wrong(
     cfg = tier_config(moto.endpoint, name, max_attempts=1)
     if not credentials:
         del cfg["access_key"], cfg["secret_key"]
-    tier = s3_tier_from_config(host, FileMapper(default_identity()), cfg)
+    tier = s3_tier_from_config(host, FileMapper(default_identity("test-model")), cfg)
     with pytest.raises(kc.TierUnavailableError) as info:
         await asyncio.wait_for(tier.serve(), 20)
     text = str(info.value)
@@ -717,6 +717,7 @@ def replay_config(s3: dict[str, Any], fs_dir: Path) -> kc.CascadeConfig:
             {"type": "s3", **s3},
         ],
         pending_write_timeout_s=30.0,
+        model_name="test-model",
     )
 
 
@@ -812,6 +813,7 @@ async def test_two_processes_share_blocks_unless_namespace_or_salt_differ(
         "gpu_blocks": 8,
         "cpu_blocks": 8,
         "secondary_tiers": [{"type": "s3", **tier_config(moto.endpoint, bucket)}],
+        "model_name": "test-model",
     }
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -826,7 +828,7 @@ async def test_two_processes_share_blocks_unless_namespace_or_salt_differ(
     assert await asyncio.wait_for(proc.wait(), 60) == 0
 
     async def found(**identity: Any) -> tuple[int, list[str]]:
-        config = kc.CascadeConfig(**json.loads(json.dumps(base)), **identity)
+        config = kc.CascadeConfig(**{**json.loads(json.dumps(base)), **identity})
         async with kc.open_cascade(config) as cascade:
             ctx = kc.ReqContext("b")
             hits = await cascade.lookup_prefix([key(i) for i in ids], ctx)

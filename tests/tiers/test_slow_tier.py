@@ -63,6 +63,7 @@ def config(endpoint: str, bucket: str, fs_dir: Path) -> kc.CascadeConfig:
             s3_entry(endpoint, bucket),
             {"type": "fs", "root_dir": str(fs_dir), "io_timeout_s": IO_TIMEOUT_S},
         ],
+        model_name="test-model",
     )
 
 
@@ -173,7 +174,7 @@ async def test_misses_must_be_in_a_row(moto: MotoServer, bucket: str, tmp_path: 
         async with FaultProxy(moto.port) as proxy:
             entry = s3_entry(proxy.endpoint, bucket)
             del entry["type"]
-            tier = s3_tier_from_config(host, FileMapper(default_identity()), entry)
+            tier = s3_tier_from_config(host, FileMapper(default_identity("test-model")), entry)
             started = asyncio.Event()
             actor = asyncio.create_task(tier.serve(started.set))
             await started.wait()
@@ -196,7 +197,7 @@ def test_probe_timeout_is_validated_naming_the_value(bad: object, tmp_path: Path
     """A ``probe_timeout_s`` that is not a number > 0 is refused, for s3 and fs alike, with a
     message naming the key and the value, before anything is built."""
     host = kc.HostBuffer(1, BLOCK)
-    mapper = FileMapper(default_identity())
+    mapper = FileMapper(default_identity("test-model"))
     try:
         with pytest.raises(kc.ConfigError, match=rf"s3 tier probe_timeout_s .*{bad!r}"):
             entry = s3_entry("http://127.0.0.1:1", "b", probe_timeout_s=bad)

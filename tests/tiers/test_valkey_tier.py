@@ -46,7 +46,9 @@ PASSWORD = "kvcascade-valkey-secret"  # a test asserts it never shows up
 def make_tier(url: str, host: kc.HostBuffer, **kw: Any) -> ValkeyTier:
     """A tier on ``url`` with a fresh key prefix (tests share one server)."""
     kw.setdefault("prefix", f"t{next(_prefixes)}")
-    return valkey_tier_from_config(host, FileMapper(default_identity()), {"url": url, **kw})
+    return valkey_tier_from_config(
+        host, FileMapper(default_identity("test-model")), {"url": url, **kw}
+    )
 
 
 def sync_client(url: str, cluster: bool = False) -> Any:
@@ -78,14 +80,16 @@ def test_config_errors_name_the_bad_value_and_never_the_password(
 ) -> None:
     """Unknown keys, a missing or bad url, a password inside the url, bad types and ranges are
     ConfigErrors naming the value; the password never shows in repr or messages."""
-    ctx = TierContext(host, default_identity())
+    ctx = TierContext(host, default_identity("test-model"))
     tier = create_secondary_tier(
         {"type": "valkey", "url": "valkey://h:1/0", "password": PASSWORD}, ctx
     )
     assert isinstance(tier, ValkeyTier) and tier.name == "valkey"
-    assert tier.object_key(key(1)) == FileMapper(default_identity()).relative_path(key(1))
+    assert tier.object_key(key(1)) == FileMapper(default_identity("test-model")).relative_path(
+        key(1)
+    )
     assert PASSWORD not in repr(tier)
-    mapper = FileMapper(default_identity())
+    mapper = FileMapper(default_identity("test-model"))
     for cfg, message in [
         ({"url": "redis://h:1", "pasword": "x"}, r"unknown valkey tier keys \['pasword'\]"),
         ({}, "needs 'url'"),
@@ -122,7 +126,7 @@ async def test_roundtrip_layout_and_value_are_the_fs_block_file(
     """MISS, store, HIT (a second tier asks the server), byte-exact load; the key is the s3
     object key (``prefix/`` + the fs relative path) and the value is the fs block file byte for
     byte, in both directions (fs serves a value copied out, valkey serves a file copied in)."""
-    mapper = FileMapper(default_identity())
+    mapper = FileMapper(default_identity("test-model"))
     tier = make_tier(server.url, host, prefix="/team/kv/")
     other = make_tier(server.url, host, prefix="team/kv")
     fs = FileSystemTier(host, tmp_path, mapper)
@@ -399,7 +403,7 @@ async def test_slow_server_back_pressure_keeps_primary_stores_and_recovers(
     again."""
     host = kc.HostBuffer(BP_SLOTS, BP_BLOCK)
     primary = CPUOffloadingManager(BP_SLOTS)
-    mapper = FileMapper(default_identity())
+    mapper = FileMapper(default_identity("test-model"))
     fs = FileSystemTier(host, tmp_path / "fs", mapper)
     payloads: dict[bytes, bytes] = {}
 
