@@ -835,8 +835,8 @@ _EXIT_WITH_A_STUCK_THREAD = textwrap.dedent("""
     assert not compiled or _build.load_extension() is not None
     host = kc.HostBuffer(8, 4096)
     tier = FileSystemTier(
-        host, sys.argv[1], FileMapper(default_identity("m")), io_threads=1, io_timeout_s=0.3,
-        compiled_io=compiled,
+        host, sys.argv[1], FileMapper(default_identity("test-model")), io_threads=1,
+        io_timeout_s=0.3, compiled_io=compiled,
     )
     fifo = Path(tier.path_of(key(9)))
 
@@ -980,7 +980,8 @@ _WRITER = textwrap.dedent("""
         compiled = sys.argv[2] == "compiled"
         assert not compiled or _build.load_extension() is not None
         tier = FileSystemTier(
-            host, sys.argv[1], FileMapper(default_identity("m")), io_threads=4, compiled_io=compiled
+            host, sys.argv[1], FileMapper(default_identity("test-model")), io_threads=4,
+            compiled_io=compiled,
         )
         async with asyncio.TaskGroup() as group:
             started = asyncio.Event()

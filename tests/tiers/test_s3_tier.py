@@ -71,7 +71,7 @@ def tier_config(endpoint: str, bucket: str, **kw: Any) -> dict[str, Any]:
 def make_tier(
     endpoint: str, bucket: str, host: kc.HostBuffer, fields: dict[str, Any] | None = None, **kw: Any
 ) -> S3Tier:
-    mapper = FileMapper(default_identity("test-model", **(fields or {})))
+    mapper = FileMapper(default_identity(**{"model_name": "test-model", **(fields or {})}))
     return s3_tier_from_config(host, mapper, tier_config(endpoint, bucket, **kw))
 
 
@@ -145,7 +145,7 @@ async def test_object_key_and_format_are_the_fs_tiers(
     """Object key = ``prefix/`` + the fs relative path (no ``//``); the object is the fs block
     file byte for byte: an fs tier serves a downloaded object, the s3 tier an uploaded file."""
     fields = {"tp_size": 2, "parallel_agnostic": True, "config_replicated": True}
-    mapper = FileMapper(default_identity("test-model", **fields))
+    mapper = FileMapper(default_identity(**{"model_name": "test-model", **fields}))
     tier = make_tier(moto.endpoint, bucket, host, fields=fields, prefix="/team/kv/")
     fs = FileSystemTier(host, tmp_path, mapper)
     client = moto.client()
