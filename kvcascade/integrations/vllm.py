@@ -76,12 +76,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without vLLM
 
 from .._config import CascadeConfig
 from .._lifecycle import build_coordinator
-from .._types import CPULoadStoreSpec, ReqContext
 from ..coordinator import TieringCoordinator
 from ..hints import with_envelope_hint
 from ..ops import plan_chunk_copies, plan_descriptors
 from ..policies.registry import resolve_cache_policy
 from ..scheduler import (
+    BlockEvent,
     GroupSpec,
     OffloadScheduler,
     ScheduledRequest,
@@ -418,50 +418,6 @@ class _RequestView:
         return self._req.status == RequestStatus.FINISHED_ABORTED
 
 
-class _PortalManager:
-    """The coordinator's synchronous hooks, each run on the loop thread through the portal."""
-
-    def __init__(self, loop: LoopThread) -> None:
-        self._loop = loop
-        self._coord = loop.coordinator
-
-    def lookup(self, key: bytes, ctx: ReqContext) -> Any:
-        return self._loop.call(self._coord.lookup, key, ctx)
-
-    def prepare_load(self, keys: Any, ctx: ReqContext) -> CPULoadStoreSpec:
-        return self._loop.call(self._coord.prepare_load, keys, ctx)
-
-    def touch(self, keys: Any, ctx: ReqContext | None = None) -> None:
-        self._loop.call(self._coord.touch, keys, ctx)
-
-    def complete_load(self, keys: Any, ctx: ReqContext) -> None:
-        self._loop.call(self._coord.complete_load, keys, ctx)
-
-    def prepare_store(self, keys: Any, ctx: ReqContext) -> Any:
-        return self._loop.call(self._coord.prepare_store, keys, ctx)
-
-    def complete_store(self, keys: Any, ctx: ReqContext, success: bool = True) -> None:
-        self._loop.call(self._coord.complete_store, keys, ctx, success)
-
-    def on_new_request(self, ctx: ReqContext) -> Any:
-        return self._loop.call(self._coord.on_new_request, ctx)
-
-    def on_request_finished(self, ctx: ReqContext) -> None:
-        self._loop.call(self._coord.on_request_finished, ctx)
-
-    def on_schedule_end(self, ctx: Any) -> None:
-        self._loop.call(self._coord.on_schedule_end, ctx)
-
-    def has_pending_work(self) -> bool:
-        return self._loop.call(self._coord.has_pending_work)
-
-    def take_events(self) -> list[Any]:
-        return self._loop.call(lambda: list(self._coord.take_events()))
-
-    def reset_cache(self) -> None:
-        self._loop.run(self._coord.reset_cache)
-
-
 def _build_tiers(setup: _Setup, region: SharedOffloadRegion) -> Callable[[], TieringCoordinator]:
     """The coordinator factory run on the loop thread: the primary tier over the region and the
     secondary tiers (:func:`kvcascade._lifecycle.build_coordinator`, as ``Cascade`` builds).
@@ -480,6 +436,18 @@ def _build_tiers(setup: _Setup, region: SharedOffloadRegion) -> Callable[[], Tie
 
 
 class _SchedulerSide:
+    """The scheduler role's state: the region, the loop thread and the
+    :class:`~kvcascade.scheduler.OffloadScheduler` over the coordinator.
+
+    The scheduler and the coordinator run on the loop thread and each connector hook is one
+    portal call (:meth:`call`), whatever number of keys it looks up or stores: a portal round
+    trip costs two thread switches under the GIL (``benchmarks/serving.py`` measured ~0.5 ms
+    each with the forward pass on the same two cores), the bookkeeping itself microseconds.
+    The tiers' events are collected with the step's metrics (:meth:`step_stats`), vLLM's
+    ``get_kv_connector_stats`` just before its ``take_events`` (``Scheduler.update_from_output``
+    in ``vllm/v1/core/sched/scheduler.py``), and handed out by :meth:`take_events`.
+    """
+
     def __init__(self, setup: _Setup) -> None:
         self.setup = setup
         self.region = SharedOffloadRegion(
@@ -495,9 +463,50 @@ class _SchedulerSide:
         except BaseException:
             self.region.cleanup()
             raise
-        self.sched = OffloadScheduler(setup.scheduler, _PortalManager(self.loop))
+        self.sched = OffloadScheduler(setup.scheduler, self.loop.coordinator)
         self.transfer_totals = KVCascadeWorkerMetadata()
+        self._events: list[BlockEvent] | None = None  # taken by step_stats, not handed out yet
         _LOCAL_SCHEDULERS[setup.instance_id] = self
+
+    def call(self, fn: Callable[..., _R], *args: Any) -> _R:
+        """Run ``fn(*args)`` on the loop thread (:meth:`LoopThread.call`), where the scheduler
+        and the coordinator live.
+
+        Raises:
+            TierUnavailableError: the loop is closing or closed.
+        """
+        return self.loop.call(fn, *args)
+
+    def matched_tokens(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
+        """(loop thread) ``get_num_new_matched_tokens``, tracking the request first if needed."""
+        sched = self.sched
+        if not sched.is_tracked(request.request_id):
+            sched.on_new_request(_RequestView(request))
+        return sched.get_num_new_matched_tokens(request.request_id, num_computed)
+
+    def step_stats(self) -> dict[str, float]:
+        """The coordinator's metrics (:meth:`TieringCoordinator.get_stats`); the tiers' events
+        are taken in the same portal call and kept for :meth:`take_events`."""
+        stats, events = self.call(self._stats_and_events)
+        self._events = events if self._events is None else self._events + events
+        return stats
+
+    def _stats_and_events(self) -> tuple[dict[str, float], list[BlockEvent]]:
+        return self.loop.coordinator.get_stats(), self.sched.take_events()
+
+    def take_events(self) -> list[BlockEvent]:
+        """The tiers' events since the last call: those :meth:`step_stats` took, or else
+        fresh ones."""
+        events, self._events = self._events, None
+        return self.call(self.sched.take_events) if events is None else events
+
+    def reset_cache(self) -> None:
+        """Reset the scheduler and the coordinator; waits for the tiers to drain."""
+
+        async def reset() -> None:
+            await self.sched.reset_cache()
+
+        self.loop.run(reset)
 
     def apply_results(self, meta: KVCascadeWorkerMetadata) -> None:
         """Apply a worker's transfer results (its stores complete: their blocks cascade)."""
@@ -506,7 +515,7 @@ class _SchedulerSide:
                 {}, set(), meta.load_bytes, meta.store_bytes, meta.load_seconds, meta.store_seconds
             )
         )  # type: ignore[assignment]
-        self.sched.on_jobs_finished(meta.completed, meta.failed)
+        self.call(self.sched.on_jobs_finished, meta.completed, meta.failed)
 
     def close(self) -> None:
         """Drain the tiers (bounded, ``LoopThread.close``), stop the loop, release the region;
@@ -791,10 +800,16 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
         return False
 
     @property
-    def scheduler(self) -> OffloadScheduler:
-        """The scheduler-side rules (scheduler role only)."""
+    def _side(self) -> _SchedulerSide:
         assert self._sched_side is not None
-        return self._sched_side.sched
+        return self._sched_side
+
+    @property
+    def scheduler(self) -> OffloadScheduler:
+        """The scheduler-side rules (scheduler role only); they run on the coordinator's loop
+        thread: call them only through :meth:`call_on_loop` (its counters, ``stats``, may be
+        read from any thread)."""
+        return self._side.sched
 
     @property
     def coordinator(self) -> TieringCoordinator:
@@ -804,23 +819,20 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def call_on_loop(self, fn: Any, *args: Any) -> Any:
         """Run ``fn(*args)`` on the coordinator's loop thread (metrics, tests)."""
-        assert self._sched_side is not None
-        return self._sched_side.loop.call(fn, *args)
+        return self._side.call(fn, *args)
 
     # -- scheduler hooks ----------------------------------------------------------------------
     @_scheduler_hook
     def on_new_request(self, request: Request) -> None:
-        self.scheduler.on_new_request(_RequestView(request))
+        self._side.call(self.scheduler.on_new_request, _RequestView(request))
 
     @_scheduler_hook
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        sched = self.scheduler
+        side = self._side
         try:
-            if not sched.is_tracked(request.request_id):
-                sched.on_new_request(_RequestView(request))
-            return sched.get_num_new_matched_tokens(request.request_id, num_computed_tokens)
+            return side.call(side.matched_tokens, request, num_computed_tokens)
         except Exception:
             log.exception("kvcascade lookup failed for %s; treating as a miss", request.request_id)
             return 0, False
@@ -833,8 +845,11 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
             [(b.block_id, b.block_hash is not None) for b in blocks.blocks[gid]]
             for gid in self._setup.group_ids
         ]
-        self.scheduler.update_state_after_alloc(
-            request.request_id, group_blocks, num_external_tokens
+        self._side.call(
+            self.scheduler.update_state_after_alloc,
+            request.request_id,
+            group_blocks,
+            num_external_tokens,
         )
 
     @_scheduler_hook
@@ -857,7 +872,7 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
             [c.dst_block_id for c in scheduler_output.kv_cache_block_copies or ()],
         )
         try:
-            plan = self.scheduler.build_step(step)
+            plan = self._side.call(self.scheduler.build_step, step)
         except Exception:
             log.exception("kvcascade: building the step's transfers failed; none this step")
             plan = StepPlan()
@@ -879,7 +894,7 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         try:
-            self.scheduler.request_finished(request.request_id)
+            self._side.call(self.scheduler.request_finished, request.request_id)
         except Exception:
             log.exception("kvcascade: request_finished failed for %s", request.request_id)
         return False, None
@@ -896,7 +911,7 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
         by every worker (``OffloadScheduler.has_pending_work`` counts its jobs) or a tier job in
         flight."""
         try:
-            return self.scheduler.has_pending_work()
+            return self._side.call(self.scheduler.has_pending_work)
         except Exception:
             log.exception("kvcascade: has_pending_work failed")
             return False
@@ -906,11 +921,13 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
         """The tiers' stored/removed events since the last call as vLLM ``BlockStored`` /
         ``BlockRemoved`` (``_vllm_events``) when vLLM publishes KV events
         (``--kv-events-config`` with ``enable_kv_cache_events``); drained and dropped otherwise,
-        so they stay bounded. Never raises: a failure is logged and gives no events."""
+        so they stay bounded; taken with the step's stats when :meth:`get_kv_connector_stats`
+        ran since the last call (one portal call for both). Never raises: a failure is logged
+        and gives no events."""
         if self._sched_side is None:
             return ()
         try:
-            events = self.scheduler.take_events()
+            events = self._sched_side.take_events()
             return vllm_kv_events(events) if self._publish_events else ()
         except Exception:
             log.exception("kvcascade: taking the tiers' KV events failed")
@@ -918,7 +935,7 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def reset_cache(self) -> bool | None:
         """Drop all offload state (as vLLM's ``reset_cache``); waits for the tiers to drain."""
-        self.scheduler.reset_cache()
+        self._side.reset_cache()
         return True
 
     def transfer_stats(self) -> dict[str, float]:
@@ -947,11 +964,12 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> OffloadingConnectorStats | None:
         """This step's increase of :meth:`transfer_stats` and of the coordinator's per-tier
         metrics, for vLLM's ``/metrics`` (``_vllm_metrics``); None on the worker side and in a
-        step with nothing new. Never raises: a failure is logged and gives None."""
+        step with nothing new. The same portal call takes the tiers' events for
+        :meth:`take_events`. Never raises: a failure is logged and gives None."""
         if self._sched_side is None:
             return None
         try:
-            tiers = self.call_on_loop(self.coordinator.get_stats)
+            tiers = self._sched_side.step_stats()
             return self._stats_deltas.take(self.transfer_stats(), tiers)
         except Exception:
             log.exception("kvcascade: collecting connector stats failed")
