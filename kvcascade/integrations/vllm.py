@@ -439,13 +439,16 @@ class _SchedulerSide:
     """The scheduler role's state: the region, the loop thread and the
     :class:`~kvcascade.scheduler.OffloadScheduler` over the coordinator.
 
-    The scheduler and the coordinator run on the loop thread and each connector hook is one
-    portal call (:meth:`call`), whatever number of keys it looks up or stores: a portal round
-    trip costs two thread switches under the GIL (``benchmarks/serving.py`` measured ~0.5 ms
-    each with the forward pass on the same two cores), the bookkeeping itself microseconds.
-    The tiers' events are collected with the step's metrics (:meth:`step_stats`), vLLM's
-    ``get_kv_connector_stats`` just before its ``take_events`` (``Scheduler.update_from_output``
-    in ``vllm/v1/core/sched/scheduler.py``), and handed out by :meth:`take_events`.
+    The scheduler and the coordinator run on the loop thread and each connector hook that
+    changes their state is one portal call (:meth:`call`), whatever number of keys it looks up
+    or stores: a portal round trip is two thread wake-ups, about 0.5-2 ms each when the
+    forward pass and other work keep both cores busy (``benchmarks/serving.py``; why a woken
+    thread waits that long: docs/coordinator.md, loop lag), the bookkeeping itself microseconds.
+    The hooks that only read take none: the metrics are read on the calling thread
+    (``prometheus_client`` values are thread-safe), and the tiers' events are taken in the
+    portal calls of :meth:`build_step` and :meth:`apply_results` and handed out by
+    :meth:`take_events` (vLLM takes them after both in a step, ``Scheduler.update_from_output``
+    in ``vllm/v1/core/sched/scheduler.py``).
     """
 
     def __init__(self, setup: _Setup) -> None:
@@ -465,7 +468,7 @@ class _SchedulerSide:
             raise
         self.sched = OffloadScheduler(setup.scheduler, self.loop.coordinator)
         self.transfer_totals = KVCascadeWorkerMetadata()
-        self._events: list[BlockEvent] | None = None  # taken by step_stats, not handed out yet
+        self._events: list[BlockEvent] = []  # taken on the loop, not handed out yet
         _LOCAL_SCHEDULERS[setup.instance_id] = self
 
     def call(self, fn: Callable[..., _R], *args: Any) -> _R:
@@ -484,21 +487,22 @@ class _SchedulerSide:
             sched.on_new_request(_RequestView(request))
         return sched.get_num_new_matched_tokens(request.request_id, num_computed)
 
-    def step_stats(self) -> dict[str, float]:
-        """The coordinator's metrics (:meth:`TieringCoordinator.get_stats`); the tiers' events
-        are taken in the same portal call and kept for :meth:`take_events`."""
-        stats, events = self.call(self._stats_and_events)
-        self._events = events if self._events is None else self._events + events
-        return stats
+    def _then_take_events(self, fn: Callable[..., _R], *args: Any) -> _R:
+        """(loop thread) ``fn(*args)``, then the tiers' events since the last take, kept for
+        :meth:`take_events`."""
+        out = fn(*args)
+        self._events.extend(self.sched.take_events())
+        return out
 
-    def _stats_and_events(self) -> tuple[dict[str, float], list[BlockEvent]]:
-        return self.loop.coordinator.get_stats(), self.sched.take_events()
+    def build_step(self, step: StepInput) -> StepPlan:
+        """The step's transfers (:meth:`OffloadScheduler.build_step`), one portal call."""
+        return self.call(self._then_take_events, self.sched.build_step, step)
 
     def take_events(self) -> list[BlockEvent]:
-        """The tiers' events since the last call: those :meth:`step_stats` took, or else
-        fresh ones."""
-        events, self._events = self._events, None
-        return self.call(self.sched.take_events) if events is None else events
+        """The tiers' events taken since the last call (no portal call); events that happen
+        later are taken at the next step's :meth:`build_step`."""
+        events, self._events = self._events, []
+        return events
 
     def reset_cache(self) -> None:
         """Reset the scheduler and the coordinator; waits for the tiers to drain."""
@@ -515,7 +519,7 @@ class _SchedulerSide:
                 {}, set(), meta.load_bytes, meta.store_bytes, meta.load_seconds, meta.store_seconds
             )
         )  # type: ignore[assignment]
-        self.call(self.sched.on_jobs_finished, meta.completed, meta.failed)
+        self.call(self._then_take_events, self.sched.on_jobs_finished, meta.completed, meta.failed)
 
     def close(self) -> None:
         """Drain the tiers (bounded, ``LoopThread.close``), stop the loop, release the region;
@@ -872,7 +876,7 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
             [c.dst_block_id for c in scheduler_output.kv_cache_block_copies or ()],
         )
         try:
-            plan = self._side.call(self.scheduler.build_step, step)
+            plan = self._side.build_step(step)
         except Exception:
             log.exception("kvcascade: building the step's transfers failed; none this step")
             plan = StepPlan()
@@ -921,9 +925,8 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
         """The tiers' stored/removed events since the last call as vLLM ``BlockStored`` /
         ``BlockRemoved`` (``_vllm_events``) when vLLM publishes KV events
         (``--kv-events-config`` with ``enable_kv_cache_events``); drained and dropped otherwise,
-        so they stay bounded; taken with the step's stats when :meth:`get_kv_connector_stats`
-        ran since the last call (one portal call for both). Never raises: a failure is logged
-        and gives no events."""
+        so they stay bounded. They were taken on the loop by this step's earlier hooks (no
+        portal call of its own). Never raises: a failure is logged and gives no events."""
         if self._sched_side is None:
             return ()
         try:
@@ -964,12 +967,13 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> OffloadingConnectorStats | None:
         """This step's increase of :meth:`transfer_stats` and of the coordinator's per-tier
         metrics, for vLLM's ``/metrics`` (``_vllm_metrics``); None on the worker side and in a
-        step with nothing new. The same portal call takes the tiers' events for
-        :meth:`take_events`. Never raises: a failure is logged and gives None."""
+        step with nothing new. Read on the calling thread (no portal call: the coordinator's
+        metrics are ``prometheus_client`` values, safe to read from any thread, as a scrape
+        does). Never raises: a failure is logged and gives None."""
         if self._sched_side is None:
             return None
         try:
-            tiers = self._sched_side.step_stats()
+            tiers = self.coordinator.get_stats()
             return self._stats_deltas.take(self.transfer_stats(), tiers)
         except Exception:
             log.exception("kvcascade: collecting connector stats failed")
