@@ -7,9 +7,9 @@ The rules of vLLM's ``OffloadingConnectorScheduler``
 offload cache and which of its computed chunks are stored, and keeps the bookkeeping that makes
 that safe (one load job *or* store jobs per request, store cursors, the fence index). It drives a
 *manager* with the synchronous hook names of :class:`~kvcascade.coordinator.TieringCoordinator`
-(:class:`OffloadManager`), so it runs over a real coordinator (through a portal, see
-``kvcascade.integrations.vllm``) or over a plain fake in tests. It imports neither vLLM nor
-asyncio: the engine adapter translates its own request and step objects into
+(:class:`OffloadManager`), so it runs over a real coordinator (on the coordinator's loop
+thread, see ``kvcascade.integrations.vllm``) or over a plain fake in tests. It imports neither
+vLLM nor asyncio: the engine adapter translates its own request and step objects into
 :class:`RequestView` and :class:`StepInput`, and executes the :class:`StepPlan` it gets back.
 
 Vocabulary (vLLM's ``kv_offload/base.py`` and ``offloading/scheduler.py``): a GPU *block* holds

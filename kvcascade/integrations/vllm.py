@@ -10,13 +10,14 @@ Enable it with::
 The extra config takes vLLM OffloadingConnector's keys (``offloading/config.py``; ``docs/vllm.md``).
 Supported vLLM: ``SUPPORTED_VLLM`` (checked when the connector is built).
 
-Scheduler role: a :class:`~kvcascade.scheduler.OffloadScheduler` decides loads and stores; the
-:class:`~kvcascade.TieringCoordinator` and the secondary-tier actors run on an event loop on a
-background thread (:class:`~kvcascade.integrations._loop.LoopThread`) over the primary tier's
-shared ``/dev/shm`` region; each hook reaches the loop through the portal and waits only for that
-bookkeeping call. Worker role: the KV caches are registered as int8 ``(num_blocks, page_bytes)``
-views, the worker maps the same region, and copies run on one thread per direction (stores
-deferred to the next step's start, as vLLM's ``offloading/worker.py``). Hooks never raise on a
+Scheduler role: a :class:`~kvcascade.scheduler.OffloadScheduler` decides loads and stores; it,
+the :class:`~kvcascade.TieringCoordinator` and the secondary-tier actors run on an event loop on
+a background thread (:class:`~kvcascade.integrations._loop.LoopThread`) over the primary tier's
+shared ``/dev/shm`` region; each hook is at most one call through the portal, which waits only
+for that bookkeeping (never for I/O). Worker role: the KV caches are registered as int8
+``(num_blocks, page_bytes)`` views, the worker maps the same region, and copies run on one
+thread per direction (stores deferred to the next step's start, as vLLM's
+``offloading/worker.py``). Hooks never raise on a
 tier or transfer failure: a failed load is reported through ``failed_recving`` and vLLM
 recomputes the request (with ``kv_load_failure_policy: "recompute"``; vLLM's default ``"fail"``
 fails the request instead).
@@ -441,9 +442,9 @@ class _SchedulerSide:
 
     The scheduler and the coordinator run on the loop thread and each connector hook that
     changes their state is one portal call (:meth:`call`), whatever number of keys it looks up
-    or stores: a portal round trip is two thread wake-ups, about 0.5-2 ms each when the
-    forward pass and other work keep both cores busy (``benchmarks/serving.py``; why a woken
-    thread waits that long: docs/coordinator.md, loop lag), the bookkeeping itself microseconds.
+    or stores: a round trip is two thread wake-ups, 0.5-1.6 ms on average in
+    ``benchmarks/serving.py --quick`` with both cores busy (why a woken thread waits that long:
+    docs/coordinator.md, loop lag), while the bookkeeping a hook does takes microseconds.
     The hooks that only read take none: the metrics are read on the calling thread
     (``prometheus_client`` values are thread-safe), and the tiers' events are taken in the
     portal calls of :meth:`build_step` and :meth:`apply_results` and handed out by
