@@ -470,16 +470,33 @@ class _SchedulerSide:
         self.sched = OffloadScheduler(setup.scheduler, self.loop.coordinator)
         self.transfer_totals = KVCascadeWorkerMetadata()
         self._events: list[BlockEvent] = []  # taken on the loop, not handed out yet
+        self._deferred: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
         _LOCAL_SCHEDULERS[setup.instance_id] = self
 
     def call(self, fn: Callable[..., _R], *args: Any) -> _R:
-        """Run ``fn(*args)`` on the loop thread (:meth:`LoopThread.call`), where the scheduler
-        and the coordinator live.
+        """Run the deferred calls (:meth:`defer`), then ``fn(*args)``, on the loop thread
+        (:meth:`LoopThread.call`, one round trip), where the scheduler and the coordinator live.
 
         Raises:
             TierUnavailableError: the loop is closing or closed.
         """
-        return self.loop.call(fn, *args)
+        if not self._deferred:
+            return self.loop.call(fn, *args)
+        deferred, self._deferred = self._deferred, []
+        return self.loop.call(_after, deferred, fn, args)
+
+    def defer(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn(*args)`` for the loop thread: it runs at the start of the next
+        :meth:`call`, in order with the other deferred calls, before anything else reads the
+        scheduler's state. For the hooks whose result vLLM does not read (``on_new_request``,
+        ``update_state_after_alloc``, ``request_finished``): they cost no round trip of their
+        own. A deferred call that raises is logged (hooks never raise into vLLM)."""
+        self._deferred.append((fn, args))
+
+    def flush(self) -> None:
+        """Run the deferred calls now (before a reset or close)."""
+        if self._deferred:
+            self.call(lambda: None)
 
     def matched_tokens(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
         """(loop thread) ``get_num_new_matched_tokens``, tracking the request first if needed."""
@@ -511,6 +528,7 @@ class _SchedulerSide:
         async def reset() -> None:
             await self.sched.reset_cache()
 
+        self.flush()
         self.loop.run(reset)
 
     def apply_results(self, meta: KVCascadeWorkerMetadata) -> None:
@@ -525,9 +543,27 @@ class _SchedulerSide:
     def close(self) -> None:
         """Drain the tiers (bounded, ``LoopThread.close``), stop the loop, release the region;
         idempotent."""
-        _LOCAL_SCHEDULERS.pop(self.setup.instance_id, None)
+        if _LOCAL_SCHEDULERS.pop(self.setup.instance_id, None) is not None:
+            try:
+                self.flush()
+            except Exception:
+                log.exception("kvcascade: the deferred scheduler hooks failed at close")
         self.loop.close()
         self.region.cleanup()
+
+
+def _after(
+    deferred: list[tuple[Callable[..., Any], tuple[Any, ...]]],
+    fn: Callable[..., _R],
+    args: tuple[Any, ...],
+) -> _R:
+    """(loop thread) The deferred calls in order (each failure logged), then ``fn(*args)``."""
+    for call, call_args in deferred:
+        try:
+            call(*call_args)
+        except Exception:
+            log.exception("kvcascade: scheduler hook %s failed", call.__name__)
+    return fn(*args)
 
 
 # -- worker side -------------------------------------------------------------------------------
@@ -829,7 +865,7 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
     # -- scheduler hooks ----------------------------------------------------------------------
     @_scheduler_hook
     def on_new_request(self, request: Request) -> None:
-        self._side.call(self.scheduler.on_new_request, _RequestView(request))
+        self._side.defer(self.scheduler.on_new_request, _RequestView(request))
 
     @_scheduler_hook
     def get_num_new_matched_tokens(
@@ -850,7 +886,7 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
             [(b.block_id, b.block_hash is not None) for b in blocks.blocks[gid]]
             for gid in self._setup.group_ids
         ]
-        self._side.call(
+        self._side.defer(
             self.scheduler.update_state_after_alloc,
             request.request_id,
             group_blocks,
@@ -898,10 +934,7 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        try:
-            self._side.call(self.scheduler.request_finished, request.request_id)
-        except Exception:
-            log.exception("kvcascade: request_finished failed for %s", request.request_id)
+        self._side.defer(self.scheduler.request_finished, request.request_id)
         return False, None
 
     def request_finished_all_groups(
