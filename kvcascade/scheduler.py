@@ -7,9 +7,9 @@ The rules of vLLM's ``OffloadingConnectorScheduler``
 offload cache and which of its computed chunks are stored, and keeps the bookkeeping that makes
 that safe (one load job *or* store jobs per request, store cursors, the fence index). It drives a
 *manager* with the synchronous hook names of :class:`~kvcascade.coordinator.TieringCoordinator`
-(:class:`OffloadManager`), so it runs over a real coordinator (through a portal, see
-``kvcascade.integrations.vllm``) or over a plain fake in tests. It imports neither vLLM nor
-asyncio: the engine adapter translates its own request and step objects into
+(:class:`OffloadManager`), so it runs over a real coordinator (on the coordinator's loop
+thread, see ``kvcascade.integrations.vllm``) or over a plain fake in tests. It imports neither
+vLLM nor asyncio: the engine adapter translates its own request and step objects into
 :class:`RequestView` and :class:`StepInput`, and executes the :class:`StepPlan` it gets back.
 
 Vocabulary (vLLM's ``kv_offload/base.py`` and ``offloading/scheduler.py``): a GPU *block* holds
@@ -71,9 +71,9 @@ class OffloadManager(Protocol):
     """The synchronous hooks the scheduler drives (those of ``TieringCoordinator``, vLLM's
     ``OffloadingManager`` in ``kv_offload/base.py``).
 
-    ``reset_cache`` may return an awaitable (the coordinator's is async); the scheduler ignores
-    the return value, so a caller that needs the reset finished handles it (the vLLM adapter's
-    portal runs it to completion).
+    ``reset_cache`` may return an awaitable (the coordinator's is async); the scheduler hands
+    it back from :meth:`OffloadScheduler.reset_cache`, so a caller that needs the reset finished
+    awaits it (the vLLM adapter runs it to completion on its loop).
     """
 
     def lookup(self, key: bytes, ctx: ReqContext) -> LookupResult: ...
@@ -876,12 +876,16 @@ class OffloadScheduler:
                 out.append(BlockEvent(hashes, group, medium, event.removed, event.tier))
         return out
 
-    def reset_cache(self) -> None:
+    def reset_cache(self) -> Any:
         """Forget all offload state between steps (vLLM's ``reset_cache``).
 
         Every tracked job is flushed with the next step's plan (in-flight loads finish before
         slots are reused); finished requests are signalled and dropped; the manager is reset;
         active requests re-offload from chunk 0; acknowledgements of older jobs are ignored.
+
+        Returns:
+            what the manager's ``reset_cache`` returned (the coordinator's: a coroutine, which
+            the caller awaits before the next step).
         """
         self._step_flush.update(self._jobs)
         for req_id, st in list(self._reqs.items()):
@@ -893,9 +897,10 @@ class OffloadScheduler:
             st.jobs.clear()
             for gs in st.groups:
                 gs.cursor = 0
-        self.manager.reset_cache()
+        reset = self.manager.reset_cache()
         self._stale_job_threshold = self._job_counter
         self._jobs.clear()
         self._fence.clear()
         self._being_loaded.clear()
         self._being_stored.clear()
+        return reset

@@ -14,11 +14,12 @@ are failed then.
 
 Why not anyio's ``BlockingPortal``: it runs every call as a new task in its task group
 (``BlockingPortal.call`` → ``start_task_soon``), 2.7–3.7× the round trip of
-:meth:`LoopThread.call` for a plain function (``benchmarks/loop_portal.py``), paid once per key
-by the scheduler's lookups; and a call that passed its running check before the portal stopped
-waits on ``run_sync_from_thread`` (``anyio/_backends/_asyncio.py``: ``call_soon_threadsafe``,
-then ``Future.result()`` with no bound), the window this portal closes. The coordinator's
-lifecycle itself is anyio's (:func:`kvcascade._lifecycle.serve_coordinator`).
+:meth:`LoopThread.call` for a plain function (``benchmarks/loop_portal.py``), paid once per
+scheduler hook of the vLLM connector; and a call that passed its running check before the
+portal stopped waits on ``run_sync_from_thread`` (``anyio/_backends/_asyncio.py``:
+``call_soon_threadsafe``, then ``Future.result()`` with no bound), the window this portal
+closes. The coordinator's lifecycle itself is anyio's
+(:func:`kvcascade._lifecycle.serve_coordinator`).
 """
 
 from __future__ import annotations

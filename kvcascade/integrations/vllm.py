@@ -10,13 +10,14 @@ Enable it with::
 The extra config takes vLLM OffloadingConnector's keys (``offloading/config.py``; ``docs/vllm.md``).
 Supported vLLM: ``SUPPORTED_VLLM`` (checked when the connector is built).
 
-Scheduler role: a :class:`~kvcascade.scheduler.OffloadScheduler` decides loads and stores; the
-:class:`~kvcascade.TieringCoordinator` and the secondary-tier actors run on an event loop on a
-background thread (:class:`~kvcascade.integrations._loop.LoopThread`) over the primary tier's
-shared ``/dev/shm`` region; each hook reaches the loop through the portal and waits only for that
-bookkeeping call. Worker role: the KV caches are registered as int8 ``(num_blocks, page_bytes)``
-views, the worker maps the same region, and copies run on one thread per direction (stores
-deferred to the next step's start, as vLLM's ``offloading/worker.py``). Hooks never raise on a
+Scheduler role: a :class:`~kvcascade.scheduler.OffloadScheduler` decides loads and stores; it,
+the :class:`~kvcascade.TieringCoordinator` and the secondary-tier actors run on an event loop on
+a background thread (:class:`~kvcascade.integrations._loop.LoopThread`) over the primary tier's
+shared ``/dev/shm`` region; each hook is at most one call through the portal, which waits only
+for that bookkeeping (never for I/O). Worker role: the KV caches are registered as int8
+``(num_blocks, page_bytes)`` views, the worker maps the same region, and copies run on one
+thread per direction (stores deferred to the next step's start, as vLLM's
+``offloading/worker.py``). Hooks never raise on a
 tier or transfer failure: a failed load is reported through ``failed_recving`` and vLLM
 recomputes the request (with ``kv_load_failure_policy: "recompute"``; vLLM's default ``"fail"``
 fails the request instead).
@@ -76,12 +77,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without vLLM
 
 from .._config import CascadeConfig
 from .._lifecycle import build_coordinator
-from .._types import CPULoadStoreSpec, ReqContext
 from ..coordinator import TieringCoordinator
 from ..hints import with_envelope_hint
 from ..ops import plan_chunk_copies, plan_descriptors
 from ..policies.registry import resolve_cache_policy
 from ..scheduler import (
+    BlockEvent,
     GroupSpec,
     OffloadScheduler,
     ScheduledRequest,
@@ -418,50 +419,6 @@ class _RequestView:
         return self._req.status == RequestStatus.FINISHED_ABORTED
 
 
-class _PortalManager:
-    """The coordinator's synchronous hooks, each run on the loop thread through the portal."""
-
-    def __init__(self, loop: LoopThread) -> None:
-        self._loop = loop
-        self._coord = loop.coordinator
-
-    def lookup(self, key: bytes, ctx: ReqContext) -> Any:
-        return self._loop.call(self._coord.lookup, key, ctx)
-
-    def prepare_load(self, keys: Any, ctx: ReqContext) -> CPULoadStoreSpec:
-        return self._loop.call(self._coord.prepare_load, keys, ctx)
-
-    def touch(self, keys: Any, ctx: ReqContext | None = None) -> None:
-        self._loop.call(self._coord.touch, keys, ctx)
-
-    def complete_load(self, keys: Any, ctx: ReqContext) -> None:
-        self._loop.call(self._coord.complete_load, keys, ctx)
-
-    def prepare_store(self, keys: Any, ctx: ReqContext) -> Any:
-        return self._loop.call(self._coord.prepare_store, keys, ctx)
-
-    def complete_store(self, keys: Any, ctx: ReqContext, success: bool = True) -> None:
-        self._loop.call(self._coord.complete_store, keys, ctx, success)
-
-    def on_new_request(self, ctx: ReqContext) -> Any:
-        return self._loop.call(self._coord.on_new_request, ctx)
-
-    def on_request_finished(self, ctx: ReqContext) -> None:
-        self._loop.call(self._coord.on_request_finished, ctx)
-
-    def on_schedule_end(self, ctx: Any) -> None:
-        self._loop.call(self._coord.on_schedule_end, ctx)
-
-    def has_pending_work(self) -> bool:
-        return self._loop.call(self._coord.has_pending_work)
-
-    def take_events(self) -> list[Any]:
-        return self._loop.call(lambda: list(self._coord.take_events()))
-
-    def reset_cache(self) -> None:
-        self._loop.run(self._coord.reset_cache)
-
-
 def _build_tiers(setup: _Setup, region: SharedOffloadRegion) -> Callable[[], TieringCoordinator]:
     """The coordinator factory run on the loop thread: the primary tier over the region and the
     secondary tiers (:func:`kvcascade._lifecycle.build_coordinator`, as ``Cascade`` builds).
@@ -480,6 +437,21 @@ def _build_tiers(setup: _Setup, region: SharedOffloadRegion) -> Callable[[], Tie
 
 
 class _SchedulerSide:
+    """The scheduler role's state: the region, the loop thread and the
+    :class:`~kvcascade.scheduler.OffloadScheduler` over the coordinator.
+
+    The scheduler and the coordinator run on the loop thread and each connector hook that
+    changes their state is one portal call (:meth:`call`), whatever number of keys it looks up
+    or stores: a round trip is two thread wake-ups, 0.5-1.6 ms on average in
+    ``benchmarks/serving.py --quick`` with both cores busy (why a woken thread waits that long:
+    docs/coordinator.md, loop lag), while the bookkeeping a hook does takes microseconds.
+    The hooks that only read take none: the metrics are read on the calling thread
+    (``prometheus_client`` values are thread-safe), and the tiers' events are taken in the
+    portal calls of :meth:`build_step` and :meth:`apply_results` and handed out by
+    :meth:`take_events` (vLLM takes them after both in a step, ``Scheduler.update_from_output``
+    in ``vllm/v1/core/sched/scheduler.py``).
+    """
+
     def __init__(self, setup: _Setup) -> None:
         self.setup = setup
         self.region = SharedOffloadRegion(
@@ -495,9 +467,69 @@ class _SchedulerSide:
         except BaseException:
             self.region.cleanup()
             raise
-        self.sched = OffloadScheduler(setup.scheduler, _PortalManager(self.loop))
+        self.sched = OffloadScheduler(setup.scheduler, self.loop.coordinator)
         self.transfer_totals = KVCascadeWorkerMetadata()
+        self._events: list[BlockEvent] = []  # taken on the loop, not handed out yet
+        self._deferred: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
         _LOCAL_SCHEDULERS[setup.instance_id] = self
+
+    def call(self, fn: Callable[..., _R], *args: Any) -> _R:
+        """Run the deferred calls (:meth:`defer`), then ``fn(*args)``, on the loop thread
+        (:meth:`LoopThread.call`, one round trip), where the scheduler and the coordinator live.
+
+        Raises:
+            TierUnavailableError: the loop is closing or closed.
+        """
+        if not self._deferred:
+            return self.loop.call(fn, *args)
+        deferred, self._deferred = self._deferred, []
+        return self.loop.call(_after, deferred, fn, args)
+
+    def defer(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn(*args)`` for the loop thread: it runs at the start of the next
+        :meth:`call`, in order with the other deferred calls, before anything else reads the
+        scheduler's state. For the hooks whose result vLLM does not read (``on_new_request``,
+        ``update_state_after_alloc``, ``request_finished``): they cost no round trip of their
+        own. A deferred call that raises is logged (hooks never raise into vLLM)."""
+        self._deferred.append((fn, args))
+
+    def flush(self) -> None:
+        """Run the deferred calls now (before a reset or close)."""
+        if self._deferred:
+            self.call(lambda: None)
+
+    def matched_tokens(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
+        """(loop thread) ``get_num_new_matched_tokens``, tracking the request first if needed."""
+        sched = self.sched
+        if not sched.is_tracked(request.request_id):
+            sched.on_new_request(_RequestView(request))
+        return sched.get_num_new_matched_tokens(request.request_id, num_computed)
+
+    def _then_take_events(self, fn: Callable[..., _R], *args: Any) -> _R:
+        """(loop thread) ``fn(*args)``, then the tiers' events since the last take, kept for
+        :meth:`take_events`."""
+        out = fn(*args)
+        self._events.extend(self.sched.take_events())
+        return out
+
+    def build_step(self, step: StepInput) -> StepPlan:
+        """The step's transfers (:meth:`OffloadScheduler.build_step`), one portal call."""
+        return self.call(self._then_take_events, self.sched.build_step, step)
+
+    def take_events(self) -> list[BlockEvent]:
+        """The tiers' events taken since the last call (no portal call); events that happen
+        later are taken at the next step's :meth:`build_step`."""
+        events, self._events = self._events, []
+        return events
+
+    def reset_cache(self) -> None:
+        """Reset the scheduler and the coordinator; waits for the tiers to drain."""
+
+        async def reset() -> None:
+            await self.sched.reset_cache()
+
+        self.flush()
+        self.loop.run(reset)
 
     def apply_results(self, meta: KVCascadeWorkerMetadata) -> None:
         """Apply a worker's transfer results (its stores complete: their blocks cascade)."""
@@ -506,14 +538,32 @@ class _SchedulerSide:
                 {}, set(), meta.load_bytes, meta.store_bytes, meta.load_seconds, meta.store_seconds
             )
         )  # type: ignore[assignment]
-        self.sched.on_jobs_finished(meta.completed, meta.failed)
+        self.call(self._then_take_events, self.sched.on_jobs_finished, meta.completed, meta.failed)
 
     def close(self) -> None:
         """Drain the tiers (bounded, ``LoopThread.close``), stop the loop, release the region;
         idempotent."""
-        _LOCAL_SCHEDULERS.pop(self.setup.instance_id, None)
+        if _LOCAL_SCHEDULERS.pop(self.setup.instance_id, None) is not None:
+            try:
+                self.flush()
+            except Exception:
+                log.exception("kvcascade: the deferred scheduler hooks failed at close")
         self.loop.close()
         self.region.cleanup()
+
+
+def _after(
+    deferred: list[tuple[Callable[..., Any], tuple[Any, ...]]],
+    fn: Callable[..., _R],
+    args: tuple[Any, ...],
+) -> _R:
+    """(loop thread) The deferred calls in order (each failure logged), then ``fn(*args)``."""
+    for call, call_args in deferred:
+        try:
+            call(*call_args)
+        except Exception:
+            log.exception("kvcascade: scheduler hook %s failed", call.__name__)
+    return fn(*args)
 
 
 # -- worker side -------------------------------------------------------------------------------
@@ -791,10 +841,16 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
         return False
 
     @property
-    def scheduler(self) -> OffloadScheduler:
-        """The scheduler-side rules (scheduler role only)."""
+    def _side(self) -> _SchedulerSide:
         assert self._sched_side is not None
-        return self._sched_side.sched
+        return self._sched_side
+
+    @property
+    def scheduler(self) -> OffloadScheduler:
+        """The scheduler-side rules (scheduler role only); they run on the coordinator's loop
+        thread: call them only through :meth:`call_on_loop` (its counters, ``stats``, may be
+        read from any thread)."""
+        return self._side.sched
 
     @property
     def coordinator(self) -> TieringCoordinator:
@@ -804,23 +860,20 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def call_on_loop(self, fn: Any, *args: Any) -> Any:
         """Run ``fn(*args)`` on the coordinator's loop thread (metrics, tests)."""
-        assert self._sched_side is not None
-        return self._sched_side.loop.call(fn, *args)
+        return self._side.call(fn, *args)
 
     # -- scheduler hooks ----------------------------------------------------------------------
     @_scheduler_hook
     def on_new_request(self, request: Request) -> None:
-        self.scheduler.on_new_request(_RequestView(request))
+        self._side.defer(self.scheduler.on_new_request, _RequestView(request))
 
     @_scheduler_hook
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        sched = self.scheduler
+        side = self._side
         try:
-            if not sched.is_tracked(request.request_id):
-                sched.on_new_request(_RequestView(request))
-            return sched.get_num_new_matched_tokens(request.request_id, num_computed_tokens)
+            return side.call(side.matched_tokens, request, num_computed_tokens)
         except Exception:
             log.exception("kvcascade lookup failed for %s; treating as a miss", request.request_id)
             return 0, False
@@ -833,8 +886,11 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
             [(b.block_id, b.block_hash is not None) for b in blocks.blocks[gid]]
             for gid in self._setup.group_ids
         ]
-        self.scheduler.update_state_after_alloc(
-            request.request_id, group_blocks, num_external_tokens
+        self._side.defer(
+            self.scheduler.update_state_after_alloc,
+            request.request_id,
+            group_blocks,
+            num_external_tokens,
         )
 
     @_scheduler_hook
@@ -857,7 +913,7 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
             [c.dst_block_id for c in scheduler_output.kv_cache_block_copies or ()],
         )
         try:
-            plan = self.scheduler.build_step(step)
+            plan = self._side.build_step(step)
         except Exception:
             log.exception("kvcascade: building the step's transfers failed; none this step")
             plan = StepPlan()
@@ -878,10 +934,7 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        try:
-            self.scheduler.request_finished(request.request_id)
-        except Exception:
-            log.exception("kvcascade: request_finished failed for %s", request.request_id)
+        self._side.defer(self.scheduler.request_finished, request.request_id)
         return False, None
 
     def request_finished_all_groups(
@@ -896,7 +949,7 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
         by every worker (``OffloadScheduler.has_pending_work`` counts its jobs) or a tier job in
         flight."""
         try:
-            return self.scheduler.has_pending_work()
+            return self._side.call(self.scheduler.has_pending_work)
         except Exception:
             log.exception("kvcascade: has_pending_work failed")
             return False
@@ -906,11 +959,12 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
         """The tiers' stored/removed events since the last call as vLLM ``BlockStored`` /
         ``BlockRemoved`` (``_vllm_events``) when vLLM publishes KV events
         (``--kv-events-config`` with ``enable_kv_cache_events``); drained and dropped otherwise,
-        so they stay bounded. Never raises: a failure is logged and gives no events."""
+        so they stay bounded. They were taken on the loop by this step's earlier hooks (no
+        portal call of its own). Never raises: a failure is logged and gives no events."""
         if self._sched_side is None:
             return ()
         try:
-            events = self.scheduler.take_events()
+            events = self._sched_side.take_events()
             return vllm_kv_events(events) if self._publish_events else ()
         except Exception:
             log.exception("kvcascade: taking the tiers' KV events failed")
@@ -918,7 +972,7 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def reset_cache(self) -> bool | None:
         """Drop all offload state (as vLLM's ``reset_cache``); waits for the tiers to drain."""
-        self.scheduler.reset_cache()
+        self._side.reset_cache()
         return True
 
     def transfer_stats(self) -> dict[str, float]:
@@ -947,11 +1001,13 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> OffloadingConnectorStats | None:
         """This step's increase of :meth:`transfer_stats` and of the coordinator's per-tier
         metrics, for vLLM's ``/metrics`` (``_vllm_metrics``); None on the worker side and in a
-        step with nothing new. Never raises: a failure is logged and gives None."""
+        step with nothing new. Read on the calling thread (no portal call: the coordinator's
+        metrics are ``prometheus_client`` values, safe to read from any thread, as a scrape
+        does). Never raises: a failure is logged and gives None."""
         if self._sched_side is None:
             return None
         try:
-            tiers = self.call_on_loop(self.coordinator.get_stats)
+            tiers = self.coordinator.get_stats()
             return self._stats_deltas.take(self.transfer_stats(), tiers)
         except Exception:
             log.exception("kvcascade: collecting connector stats failed")

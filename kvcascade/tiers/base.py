@@ -47,9 +47,9 @@ What a tier owes the framework:
 * every read or write of primary rows by a blocking mover happens inside
   :meth:`~SecondaryTier._row_access`, and a long mover may stop early once
   :meth:`~SecondaryTier._job_abandoned`;
-* the synchronous façade is called on the event-loop thread only (a scheduler on another thread
-  reaches it through the coordinator's portal); only :meth:`~SecondaryTier.close` may be called
-  from any thread.
+* the synchronous façade is called on the event-loop thread only (an engine on another thread
+  reaches the coordinator through a portal, ``kvcascade.integrations._loop``); only
+  :meth:`~SecondaryTier.close` may be called from any thread.
 """
 
 from __future__ import annotations
