@@ -558,14 +558,18 @@ class TurnAwareCachePolicy(CachePolicy):
             return None
         value_of = self._valuer(self.clock(), self.turnover())
         classes = self._classes
-        # (value, tick, -depth, class): cheapest first; equal values (an untrained policy)
-        # go oldest first, i.e. LRU.
+        heappop, heappush, heappushpop = heapq.heappop, heapq.heappush, heapq.heappushpop
+        # (value, tick, -depth, class) of every non-empty class's head, cheapest first; equal
+        # values (an untrained policy) go oldest first, i.e. LRU. ``top`` is the cheapest,
+        # popped; a class whose head changed is pushed back with heappushpop (one sift instead
+        # of a push and a pop per victim).
         heads = self._heads(value_of)
         heapq.heapify(heads)
+        top = heappop(heads) if heads else None
         out: list[tuple[bytes, BlockStatus]] = []
         passed: list[tuple[int, tuple[int, int, int, bytes]]] = []  # protected heads
         while len(out) < n:
-            if not heads:
+            if top is None:
                 # Only blocks with a resident (pinned or protected) child are left.
                 key = min(
                     (k for k, e in blocks.items() if e.block.ref_cnt == 0 and k not in protected),
@@ -573,34 +577,48 @@ class TurnAwareCachePolicy(CachePolicy):
                 )
                 out.append((key, self._forget(key).block))
                 continue
-            value, _, _, idx = heapq.heappop(heads)
+            value, _, _, idx = top
             stats = classes[idx]
-            item = self._head(stats)
-            if item is None:
+            heap = stats.heap
+            while heap:  # the class's valid oldest item (stale items are dropped)
+                item = heap[0]
+                entry = blocks.get(item[3])
+                if entry is not None and entry.token == item[2]:
+                    break
+                heappop(heap)
+            else:
+                top = heappop(heads) if heads else None
                 continue
-            key = item[3]
-            current = value_of(blocks[key])
+            current = value_of(entry)
             if current > value and heads and current > heads[0][0]:
-                heapq.heappush(heads, (current, item[0], item[1], idx))  # stale: re-rank
+                top = heappushpop(heads, (current, item[0], item[1], idx))  # stale: re-rank
                 continue
+            heappop(heap)  # ``item``: evicted (stale from now on) or passed over
+            key = item[3]
             offered = None
             if key in protected:
-                heapq.heappop(stats.heap)
                 passed.append((idx, item))
             else:
-                entry = self._forget(key)  # may offer its parent to a class heap
+                self._forget(key)  # may offer its parent to a class heap
                 out.append((key, entry.block))
+                if len(out) == n:
+                    break
                 parent = None if entry.parent is None else blocks.get(entry.parent)
                 if parent is not None and parent.token >= 0 and parent.cls != idx:
                     offered = parent  # a parent of this class is among its heads below
-            if (nxt := self._head(stats)) is not None:
-                value = value_of(blocks[nxt[3]])
-                heapq.heappush(heads, (value, nxt[0], nxt[1], idx))
             if offered is not None:
-                value = value_of(offered)
-                heapq.heappush(heads, (value, offered.tick, -offered.depth, offered.cls))
+                heappush(heads, (value_of(offered), offered.tick, -offered.depth, offered.cls))
+            while heap:  # the class's next valid item
+                nxt = heap[0]
+                entry = blocks.get(nxt[3])
+                if entry is not None and entry.token == nxt[2]:
+                    top = heappushpop(heads, (value_of(entry), nxt[0], nxt[1], idx))
+                    break
+                heappop(heap)
+            else:
+                top = heappop(heads) if heads else None
         for idx, item in passed:
-            heapq.heappush(classes[idx].heap, item)
+            heappush(classes[idx].heap, item)
         return out
 
     def clear(self) -> None:
