@@ -101,13 +101,13 @@ class _Entry:
 
     __slots__ = ("block", "children", "cls", "deadline", "depth", "parent", "tick", "token", "up")
 
-    def __init__(self, block: BlockStatus, parent: bytes | None) -> None:
+    def __init__(self, block: BlockStatus, cls: int, tick: int) -> None:
         self.block = block
-        self.cls = 0
-        self.tick = 0
+        self.cls = cls
+        self.tick = tick
         self.depth = 0
         self.deadline: float | None = None
-        self.parent = parent
+        self.parent: bytes | None = None
         # The parent's entry that counted this block among its children: a parent removed and
         # stored again is a new entry that never counted it.
         self.up: _Entry | None = None
@@ -375,35 +375,41 @@ class TurnAwareCachePolicy(CachePolicy):
         return _Request(cls, deadline, keys[matched] if matched >= 0 else None)
 
     # -- heaps ---------------------------------------------------------------------------------
-    def _push(self, key: bytes, entry: _Entry) -> None:
+    def _offer(self, key: bytes, entry: _Entry) -> None:
+        """Make ``entry`` a candidate if it is idle and a leaf (no resident child): queue it in
+        its class's heap (compacted when stale items exceed twice the live ones + 64)."""
+        if entry.token >= 0 or entry.children or entry.block.ref_cnt:
+            return
         stats = self._classes[entry.cls]
-        self._token += 1
-        entry.token = self._token
-        heapq.heappush(stats.heap, (entry.tick, -entry.depth, self._token, key))
+        self._token = token = self._token + 1
+        entry.token = token
+        heap = stats.heap
+        heapq.heappush(heap, (entry.tick, -entry.depth, token, key))
         stats.live += 1
-        if len(stats.heap) > 2 * stats.live + 64:
+        if len(heap) > 2 * stats.live + 64:
             blocks = self._blocks
-            stats.heap = [
+            heap[:] = [  # in place: ``evict`` holds the list
                 item
-                for item in stats.heap
+                for item in heap
                 if (e := blocks.get(item[3])) is not None and e.token == item[2]
             ]
-            heapq.heapify(stats.heap)
+            heapq.heapify(heap)
 
     def _unpush(self, entry: _Entry) -> None:
         if entry.token >= 0:
             self._classes[entry.cls].live -= 1
             entry.token = -1
 
-    def _head(self, stats: _ClassStats) -> tuple[int, int, int, bytes] | None:
-        """The class's valid oldest item (stale items are dropped), or None."""
+    def _head(self, stats: _ClassStats) -> _Entry | None:
+        """The entry of the class's valid oldest item, which is then ``stats.heap[0]`` (stale
+        items are dropped), or None."""
         heap = stats.heap
         blocks = self._blocks
         while heap:
             item = heap[0]
             entry = blocks.get(item[3])
             if entry is not None and entry.token == item[2]:
-                return item
+                return entry
             heapq.heappop(heap)
         return None
 
@@ -426,11 +432,11 @@ class TurnAwareCachePolicy(CachePolicy):
 
     def _heads(self, value: Callable[[_Entry], float]) -> list[tuple[float, int, int, int]]:
         """Per non-empty class: (value of its head, head tick, -depth, class index)."""
-        blocks = self._blocks
         heads = []
         for idx, stats in enumerate(self._classes):
-            if stats.live and (item := self._head(stats)) is not None:
-                heads.append((value(blocks[item[3]]), item[0], item[1], idx))
+            if stats.live and (entry := self._head(stats)) is not None:
+                item = stats.heap[0]
+                heads.append((value(entry), item[0], item[1], idx))
         return heads
 
     # -- CachePolicy ---------------------------------------------------------------------------
@@ -438,18 +444,16 @@ class TurnAwareCachePolicy(CachePolicy):
         entry = self._blocks.get(key)
         return None if entry is None else entry.block
 
-    def _offer(self, key: bytes, entry: _Entry) -> None:
-        """Make ``entry`` a candidate if it is idle and a leaf (no resident child)."""
-        if entry.token < 0 and not entry.children and entry.block.ref_cnt == 0:
-            self._push(key, entry)
-
     def insert(self, key: bytes, block: BlockStatus) -> None:
         info = self._directory.get(key)
-        parent = None if info is None else info[3]
-        entry = _Entry(block, None)
-        entry.tick = self._tick
-        self._tick_sum += self._tick
-        entry.cls = info[0] if info is not None else self._class((0, 0, 1, 0))
+        tick = self._tick
+        if info is None:
+            entry = _Entry(block, self._class((0, 0, 1, 0)), tick)
+            parent = None
+        else:
+            entry = _Entry(block, info[0], tick)
+            parent = info[3]
+        self._tick_sum += tick
         self._blocks[key] = entry
         if parent is not None and (p := self._blocks.get(parent)) is not None:
             entry.parent = parent
@@ -463,7 +467,9 @@ class TurnAwareCachePolicy(CachePolicy):
     def _forget(self, key: bytes) -> _Entry:
         entry = self._blocks.pop(key)
         self._tick_sum -= entry.tick
-        self._unpush(entry)
+        if entry.token >= 0:
+            self._classes[entry.cls].live -= 1
+            entry.token = -1
         if entry.block.ref_cnt == 0:
             self._evictable -= 1
         p, up_key = entry.up, entry.parent
@@ -559,6 +565,7 @@ class TurnAwareCachePolicy(CachePolicy):
         value_of = self._valuer(self.clock(), self.turnover())
         classes = self._classes
         heappop, heappush, heappushpop = heapq.heappop, heapq.heappush, heapq.heappushpop
+        head = self._head
         # (value, tick, -depth, class) of every non-empty class's head, cheapest first; equal
         # values (an untrained policy) go oldest first, i.e. LRU. ``top`` is the cheapest,
         # popped; a class whose head changed is pushed back with heappushpop (one sift instead
@@ -579,16 +586,12 @@ class TurnAwareCachePolicy(CachePolicy):
                 continue
             value, _, _, idx = top
             stats = classes[idx]
-            heap = stats.heap
-            while heap:  # the class's valid oldest item (stale items are dropped)
-                item = heap[0]
-                entry = blocks.get(item[3])
-                if entry is not None and entry.token == item[2]:
-                    break
-                heappop(heap)
-            else:
+            entry = head(stats)
+            if entry is None:
                 top = heappop(heads) if heads else None
                 continue
+            heap = stats.heap
+            item = heap[0]
             current = value_of(entry)
             if current > value and heads and current > heads[0][0]:
                 top = heappushpop(heads, (current, item[0], item[1], idx))  # stale: re-rank
@@ -608,13 +611,9 @@ class TurnAwareCachePolicy(CachePolicy):
                     offered = parent  # a parent of this class is among its heads below
             if offered is not None:
                 heappush(heads, (value_of(offered), offered.tick, -offered.depth, offered.cls))
-            while heap:  # the class's next valid item
+            if (entry := head(stats)) is not None:
                 nxt = heap[0]
-                entry = blocks.get(nxt[3])
-                if entry is not None and entry.token == nxt[2]:
-                    top = heappushpop(heads, (value_of(entry), nxt[0], nxt[1], idx))
-                    break
-                heappop(heap)
+                top = heappushpop(heads, (value_of(entry), nxt[0], nxt[1], idx))
             else:
                 top = heappop(heads) if heads else None
         for idx, item in passed:
