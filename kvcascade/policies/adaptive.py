@@ -159,13 +159,14 @@ class _ShadowTurnAware(TurnAwareCachePolicy):
             if need <= 0 or self.evict(need, ()) is not None:
                 # Inserted not ready, then made idle and filed at their depths: one heap item
                 # per leaf (an idle insert would queue each new block before its child
-                # arrives, an item made stale at once).
+                # arrives, an item made stale at once). The blocks before ``keys[hits]`` were
+                # filed above, at this tick.
                 for key in new:
                     self.insert(key, _PENDING)
                 for key in new:
                     blocks[key].block = _IDLE
                 self._evictable += len(new)
-                self._retouch(keys, request)
+                self._retouch(keys, request, hits)
         return hits
 
 

@@ -494,21 +494,27 @@ class TurnAwareCachePolicy(CachePolicy):
                 ctx.set_state(request)
         self._retouch(keys, request)
 
-    def _retouch(self, keys: list[bytes], request: _Request) -> None:
-        """File the resident ``keys`` of ``request`` under its class at the current tick."""
+    def _retouch(self, keys: list[bytes], request: _Request, start: int = 0) -> None:
+        """File the resident ``keys[start:]`` of ``request`` under its class at the current
+        tick (a key's depth is its index in ``keys``)."""
         blocks = self._blocks
         tick = self._tick
-        for depth, key in enumerate(keys):
+        cls = request.cls
+        deadline = request.deadline
+        moved = 0
+        for depth in range(start, len(keys)):
+            key = keys[depth]
             entry = blocks.get(key)
             if entry is None:
                 continue
             self._unpush(entry)
-            entry.cls = request.cls
-            self._tick_sum += tick - entry.tick
+            entry.cls = cls
+            moved += tick - entry.tick
             entry.tick = tick
             entry.depth = depth
-            entry.deadline = request.deadline
+            entry.deadline = deadline
             self._offer(key, entry)
+        self._tick_sum += moved
 
     def admits(self, ctx: ReqContext | None, n: int = 1) -> bool:
         """Whether to store ``n`` new blocks of the request of ``ctx`` at all.
@@ -592,8 +598,8 @@ class TurnAwareCachePolicy(CachePolicy):
                 continue
             heap = stats.heap
             item = heap[0]
-            current = value_of(entry)
-            if current > value and heads and current > heads[0][0]:
+            # A lone class needs no values: its head goes first whatever it is worth.
+            if heads and (current := value_of(entry)) > value and current > heads[0][0]:
                 top = heappushpop(heads, (current, item[0], item[1], idx))  # stale: re-rank
                 continue
             heappop(heap)  # ``item``: evicted (stale from now on) or passed over
@@ -613,7 +619,10 @@ class TurnAwareCachePolicy(CachePolicy):
                 heappush(heads, (value_of(offered), offered.tick, -offered.depth, offered.cls))
             if (entry := head(stats)) is not None:
                 nxt = heap[0]
-                top = heappushpop(heads, (value_of(entry), nxt[0], nxt[1], idx))
+                if heads:
+                    top = heappushpop(heads, (value_of(entry), nxt[0], nxt[1], idx))
+                else:
+                    top = (value, nxt[0], nxt[1], idx)  # a lone class: its value is not read
             else:
                 top = heappop(heads) if heads else None
         for idx, item in passed:
