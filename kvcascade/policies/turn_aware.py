@@ -101,16 +101,18 @@ class _Entry:
 
     __slots__ = ("block", "children", "cls", "deadline", "depth", "parent", "tick", "token", "up")
 
-    def __init__(self, block: BlockStatus, cls: int, tick: int) -> None:
+    def __init__(
+        self, block: BlockStatus, cls: int, tick: int, parent: bytes | None, up: _Entry | None
+    ) -> None:
         self.block = block
         self.cls = cls
         self.tick = tick
         self.depth = 0
         self.deadline: float | None = None
-        self.parent: bytes | None = None
+        self.parent = parent  # the parent's key when it was resident at the insert
         # The parent's entry that counted this block among its children: a parent removed and
         # stored again is a new entry that never counted it.
-        self.up: _Entry | None = None
+        self.up = up
         self.children = 0
         self.token = -1  # heap token; -1: not in any heap (pinned / not ready)
 
@@ -447,19 +449,18 @@ class TurnAwareCachePolicy(CachePolicy):
     def insert(self, key: bytes, block: BlockStatus) -> None:
         info = self._directory.get(key)
         tick = self._tick
-        if info is None:
-            entry = _Entry(block, self._class((0, 0, 1, 0)), tick)
-            parent = None
-        else:
-            entry = _Entry(block, info[0], tick)
-            parent = info[3]
         self._tick_sum += tick
-        self._blocks[key] = entry
-        if parent is not None and (p := self._blocks.get(parent)) is not None:
-            entry.parent = parent
-            entry.up = p
+        blocks = self._blocks
+        if info is None:
+            entry = _Entry(block, self._class((0, 0, 1, 0)), tick, None, None)
+        elif (parent := info[3]) is not None and (p := blocks.get(parent)) is not None:
+            entry = _Entry(block, info[0], tick, parent, p)
             p.children += 1
-            self._unpush(p)
+            if p.token >= 0:
+                self._unpush(p)
+        else:
+            entry = _Entry(block, info[0], tick, None, None)
+        blocks[key] = entry
         if block.ref_cnt == 0:
             self._evictable += 1
             self._offer(key, entry)
@@ -502,8 +503,7 @@ class TurnAwareCachePolicy(CachePolicy):
         cls = request.cls
         deadline = request.deadline
         moved = 0
-        for depth in range(start, len(keys)):
-            key = keys[depth]
+        for depth, key in enumerate(keys[start:] if start else keys, start):
             entry = blocks.get(key)
             if entry is None:
                 continue
