@@ -499,6 +499,8 @@ class TurnAwareCachePolicy(CachePolicy):
         """File the resident ``keys[start:]`` of ``request`` under its class at the current
         tick (a key's depth is its index in ``keys``)."""
         blocks = self._blocks
+        if blocks.keys().isdisjoint(keys):  # a first read of new blocks: nothing to file
+            return
         tick = self._tick
         cls = request.cls
         deadline = request.deadline
