@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .._types import ReqContext
 from ..hints import may_continue
@@ -87,7 +87,7 @@ class _ShadowLRU:
         self.capacity = capacity
         self._keys: OrderedDict[bytes, None] = OrderedDict()
 
-    def step(self, keys: list[bytes]) -> int:
+    def step(self, keys: Sequence[bytes]) -> int:
         """Read ``keys``: return the leading hits, then store them."""
         shadow = self._keys
         hits = 0
@@ -142,7 +142,7 @@ class _ShadowTurnAware(TurnAwareCachePolicy):
         for stats in self._model._classes[len(classes) :]:
             classes.append(_ClassStats(stats.key, _Counts()))
 
-    def step(self, keys: list[bytes], request: _Request) -> int:
+    def step(self, keys: Sequence[bytes], request: _Request) -> int:
         """Read ``keys`` as the request ``request``: return the leading hits, then touch, admit
         and store as the replay does (``kvcascade.replay.compare.simulate``)."""
         self._sync()
@@ -223,7 +223,7 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
         self._square = 0.0  # decayed Σ of their squares
         self._seen = 0  # block reads so far
 
-    def _classify(self, keys: list[bytes], ctx: ReqContext | None) -> _Request:
+    def _classify(self, keys: Sequence[bytes], ctx: ReqContext | None) -> _Request:
         request = super()._classify(keys, ctx)
         ends = self._sampled
         sampled = None if request.prev is None else ends.get(request.prev)

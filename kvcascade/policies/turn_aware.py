@@ -54,7 +54,7 @@ import math
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 from .._atomic import replace_file
@@ -89,7 +89,7 @@ def _cdf(cum: list[float], t: float) -> float:
     return cum[b] + (x - b) * (cum[b + 1] - cum[b])
 
 
-def _prompt_ends(keys: list[bytes]) -> list[bytes]:
+def _prompt_ends(keys: Sequence[bytes]) -> Sequence[bytes]:
     """The keys a next turn of the prompt ``keys`` is recognised by: the last two (the last
     block of a prompt may be partial and so absent from the next turn); never the root (it may
     be a shared system prompt)."""
@@ -310,7 +310,7 @@ class TurnAwareCachePolicy(CachePolicy):
         return out
 
     # -- request classification -------------------------------------------------------------
-    def _classify(self, keys: list[bytes], ctx: ReqContext | None) -> _Request:
+    def _classify(self, keys: Sequence[bytes], ctx: ReqContext | None) -> _Request:
         """Infer turn and new blocks of the request reading ``keys``; learn from the reads;
         advance the clock by ``len(keys)`` ticks."""
         directory = self._directory
@@ -444,7 +444,7 @@ class TurnAwareCachePolicy(CachePolicy):
     # -- CachePolicy ---------------------------------------------------------------------------
     def get(self, key: bytes) -> BlockStatus | None:
         entry = self._blocks.get(key)
-        return None if entry is None else entry.block
+        return entry and entry.block  # an _Entry is always true
 
     def insert(self, key: bytes, block: BlockStatus) -> None:
         info = self._directory.get(key)
@@ -485,7 +485,7 @@ class TurnAwareCachePolicy(CachePolicy):
         self._forget(key)
 
     def touch(self, keys: Collection[bytes], ctx: ReqContext | None = None) -> None:
-        keys = list(as_sequence(keys))
+        keys = as_sequence(keys)  # not kept: no copy
         if not keys:
             return
         request = None if ctx is None else ctx.get_state(_Request)
@@ -495,7 +495,7 @@ class TurnAwareCachePolicy(CachePolicy):
                 ctx.set_state(request)
         self._retouch(keys, request)
 
-    def _retouch(self, keys: list[bytes], request: _Request, start: int = 0) -> None:
+    def _retouch(self, keys: Sequence[bytes], request: _Request, start: int = 0) -> None:
         """File the resident ``keys[start:]`` of ``request`` under its class at the current
         tick (a key's depth is its index in ``keys``)."""
         blocks = self._blocks
