@@ -468,9 +468,7 @@ class TurnAwareCachePolicy(CachePolicy):
     def _forget(self, key: bytes) -> _Entry:
         entry = self._blocks.pop(key)
         self._tick_sum -= entry.tick
-        if entry.token >= 0:
-            self._classes[entry.cls].live -= 1
-            entry.token = -1
+        self._unpush(entry)
         if entry.block.ref_cnt == 0:
             self._evictable -= 1
         p, up_key = entry.up, entry.parent
