@@ -52,6 +52,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 from .._types import ReqContext
 from ..hints import may_continue
@@ -67,6 +68,14 @@ from .turn_aware import (
 
 #: One idle status shared by every block of a shadow (shadow blocks are never pinned).
 _IDLE = BlockStatus(-1, 0)
+#: The status of a shadow block while its request's blocks are being inserted (not ready: no
+#: heap item until the request's blocks are filed at their depths).
+_PENDING = BlockStatus(-1, -1)
+
+
+def _equal_value(entry: _Entry) -> float:
+    """LRU mode's value of every block: equal values make the turn-aware order LRU's."""
+    return 0.0
 
 
 class _ShadowLRU:
@@ -78,7 +87,7 @@ class _ShadowLRU:
         self.capacity = capacity
         self._keys: OrderedDict[bytes, None] = OrderedDict()
 
-    def step(self, keys: list[bytes]) -> int:
+    def step(self, keys: Sequence[bytes]) -> int:
         """Read ``keys``: return the leading hits, then store them."""
         shadow = self._keys
         hits = 0
@@ -133,7 +142,7 @@ class _ShadowTurnAware(TurnAwareCachePolicy):
         for stats in self._model._classes[len(classes) :]:
             classes.append(_ClassStats(stats.key, _Counts()))
 
-    def step(self, keys: list[bytes], request: _Request) -> int:
+    def step(self, keys: Sequence[bytes], request: _Request) -> int:
         """Read ``keys`` as the request ``request``: return the leading hits, then touch, admit
         and store as the replay does (``kvcascade.replay.compare.simulate``)."""
         self._sync()
@@ -148,9 +157,16 @@ class _ShadowTurnAware(TurnAwareCachePolicy):
         if new and self._admits(request, len(new)):
             need = len(blocks) + len(new) - self.cache_capacity
             if need <= 0 or self.evict(need, ()) is not None:
+                # Inserted not ready, then made idle and filed at their depths: one heap item
+                # per leaf (an idle insert would queue each new block before its child
+                # arrives, an item made stale at once). The blocks before ``keys[hits]`` were
+                # filed above, at this tick.
                 for key in new:
-                    self.insert(key, _IDLE)
-                self._retouch(keys, request)
+                    self.insert(key, _PENDING)
+                for key in new:
+                    blocks[key].block = _IDLE
+                self._evictable += len(new)
+                self._retouch(keys, request, hits)
         return hits
 
 
@@ -207,7 +223,7 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
         self._square = 0.0  # decayed Σ of their squares
         self._seen = 0  # block reads so far
 
-    def _classify(self, keys: list[bytes], ctx: ReqContext | None) -> _Request:
+    def _classify(self, keys: Sequence[bytes], ctx: ReqContext | None) -> _Request:
         request = super()._classify(keys, ctx)
         ends = self._sampled
         sampled = None if request.prev is None else ends.get(request.prev)
@@ -239,8 +255,9 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
         self.lru_mode = lru_mode
         self.switches += 1
 
-    def _value(self, entry: _Entry, now_s: float | None, horizon: float) -> float:
-        return 0.0 if self.lru_mode else super()._value(entry, now_s, horizon)
+    def _valuer(self, now_s: float | None, horizon: float) -> Callable[[_Entry], float]:
+        """In LRU mode every block is worth the same (:func:`_equal_value`)."""
+        return _equal_value if self.lru_mode else super()._valuer(now_s, horizon)
 
     def admits(self, ctx: ReqContext | None, n: int = 1) -> bool:
         """In LRU mode LRU's hint rule (no new blocks for a session that will not continue);

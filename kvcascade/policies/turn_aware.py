@@ -54,7 +54,7 @@ import math
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 from .._atomic import replace_file
@@ -89,7 +89,7 @@ def _cdf(cum: list[float], t: float) -> float:
     return cum[b] + (x - b) * (cum[b + 1] - cum[b])
 
 
-def _prompt_ends(keys: list[bytes]) -> list[bytes]:
+def _prompt_ends(keys: Sequence[bytes]) -> Sequence[bytes]:
     """The keys a next turn of the prompt ``keys`` is recognised by: the last two (the last
     block of a prompt may be partial and so absent from the next turn); never the root (it may
     be a shared system prompt)."""
@@ -101,16 +101,18 @@ class _Entry:
 
     __slots__ = ("block", "children", "cls", "deadline", "depth", "parent", "tick", "token", "up")
 
-    def __init__(self, block: BlockStatus, parent: bytes | None) -> None:
+    def __init__(
+        self, block: BlockStatus, cls: int, tick: int, parent: bytes | None, up: _Entry | None
+    ) -> None:
         self.block = block
-        self.cls = 0
-        self.tick = 0
+        self.cls = cls
+        self.tick = tick
         self.depth = 0
         self.deadline: float | None = None
-        self.parent = parent
+        self.parent = parent  # the parent's key when it was resident at the insert
         # The parent's entry that counted this block among its children: a parent removed and
         # stored again is a new entry that never counted it.
-        self.up: _Entry | None = None
+        self.up = up
         self.children = 0
         self.token = -1  # heap token; -1: not in any heap (pinned / not ready)
 
@@ -308,7 +310,7 @@ class TurnAwareCachePolicy(CachePolicy):
         return out
 
     # -- request classification -------------------------------------------------------------
-    def _classify(self, keys: list[bytes], ctx: ReqContext | None) -> _Request:
+    def _classify(self, keys: Sequence[bytes], ctx: ReqContext | None) -> _Request:
         """Infer turn and new blocks of the request reading ``keys``; learn from the reads;
         advance the clock by ``len(keys)`` ticks."""
         directory = self._directory
@@ -375,35 +377,41 @@ class TurnAwareCachePolicy(CachePolicy):
         return _Request(cls, deadline, keys[matched] if matched >= 0 else None)
 
     # -- heaps ---------------------------------------------------------------------------------
-    def _push(self, key: bytes, entry: _Entry) -> None:
+    def _offer(self, key: bytes, entry: _Entry) -> None:
+        """Make ``entry`` a candidate if it is idle and a leaf (no resident child): queue it in
+        its class's heap (compacted when stale items exceed twice the live ones + 64)."""
+        if entry.token >= 0 or entry.children or entry.block.ref_cnt:
+            return
         stats = self._classes[entry.cls]
-        self._token += 1
-        entry.token = self._token
-        heapq.heappush(stats.heap, (entry.tick, -entry.depth, self._token, key))
+        self._token = token = self._token + 1
+        entry.token = token
+        heap = stats.heap
+        heapq.heappush(heap, (entry.tick, -entry.depth, token, key))
         stats.live += 1
-        if len(stats.heap) > 2 * stats.live + 64:
+        if len(heap) > 2 * stats.live + 64:
             blocks = self._blocks
-            stats.heap = [
+            heap[:] = [  # in place: ``evict`` holds the list
                 item
-                for item in stats.heap
+                for item in heap
                 if (e := blocks.get(item[3])) is not None and e.token == item[2]
             ]
-            heapq.heapify(stats.heap)
+            heapq.heapify(heap)
 
     def _unpush(self, entry: _Entry) -> None:
         if entry.token >= 0:
             self._classes[entry.cls].live -= 1
             entry.token = -1
 
-    def _head(self, stats: _ClassStats) -> tuple[int, int, int, bytes] | None:
-        """The class's valid oldest item (stale items are dropped), or None."""
+    def _head(self, stats: _ClassStats) -> _Entry | None:
+        """The entry of the class's valid oldest item, which is then ``stats.heap[0]`` (stale
+        items are dropped), or None."""
         heap = stats.heap
         blocks = self._blocks
         while heap:
             item = heap[0]
             entry = blocks.get(item[3])
             if entry is not None and entry.token == item[2]:
-                return item
+                return entry
             heapq.heappop(heap)
         return None
 
@@ -426,36 +434,33 @@ class TurnAwareCachePolicy(CachePolicy):
 
     def _heads(self, value: Callable[[_Entry], float]) -> list[tuple[float, int, int, int]]:
         """Per non-empty class: (value of its head, head tick, -depth, class index)."""
-        blocks = self._blocks
         heads = []
         for idx, stats in enumerate(self._classes):
-            if stats.live and (item := self._head(stats)) is not None:
-                heads.append((value(blocks[item[3]]), item[0], item[1], idx))
+            if stats.live and (entry := self._head(stats)) is not None:
+                item = stats.heap[0]
+                heads.append((value(entry), item[0], item[1], idx))
         return heads
 
     # -- CachePolicy ---------------------------------------------------------------------------
     def get(self, key: bytes) -> BlockStatus | None:
         entry = self._blocks.get(key)
-        return None if entry is None else entry.block
-
-    def _offer(self, key: bytes, entry: _Entry) -> None:
-        """Make ``entry`` a candidate if it is idle and a leaf (no resident child)."""
-        if entry.token < 0 and not entry.children and entry.block.ref_cnt == 0:
-            self._push(key, entry)
+        return entry and entry.block  # an _Entry is always true
 
     def insert(self, key: bytes, block: BlockStatus) -> None:
         info = self._directory.get(key)
-        parent = None if info is None else info[3]
-        entry = _Entry(block, None)
-        entry.tick = self._tick
-        self._tick_sum += self._tick
-        entry.cls = info[0] if info is not None else self._class((0, 0, 1, 0))
-        self._blocks[key] = entry
-        if parent is not None and (p := self._blocks.get(parent)) is not None:
-            entry.parent = parent
-            entry.up = p
+        tick = self._tick
+        self._tick_sum += tick
+        blocks = self._blocks
+        if info is None:
+            entry = _Entry(block, self._class((0, 0, 1, 0)), tick, None, None)
+        elif (parent := info[3]) is not None and (p := blocks.get(parent)) is not None:
+            entry = _Entry(block, info[0], tick, parent, p)
             p.children += 1
-            self._unpush(p)
+            if p.token >= 0:
+                self._unpush(p)
+        else:
+            entry = _Entry(block, info[0], tick, None, None)
+        blocks[key] = entry
         if block.ref_cnt == 0:
             self._evictable += 1
             self._offer(key, entry)
@@ -478,7 +483,7 @@ class TurnAwareCachePolicy(CachePolicy):
         self._forget(key)
 
     def touch(self, keys: Collection[bytes], ctx: ReqContext | None = None) -> None:
-        keys = list(as_sequence(keys))
+        keys = as_sequence(keys)  # not kept: no copy
         if not keys:
             return
         request = None if ctx is None else ctx.get_state(_Request)
@@ -488,21 +493,28 @@ class TurnAwareCachePolicy(CachePolicy):
                 ctx.set_state(request)
         self._retouch(keys, request)
 
-    def _retouch(self, keys: list[bytes], request: _Request) -> None:
-        """File the resident ``keys`` of ``request`` under its class at the current tick."""
+    def _retouch(self, keys: Sequence[bytes], request: _Request, start: int = 0) -> None:
+        """File the resident ``keys[start:]`` of ``request`` under its class at the current
+        tick (a key's depth is its index in ``keys``)."""
         blocks = self._blocks
+        if blocks.keys().isdisjoint(keys):  # a first read of new blocks: nothing to file
+            return
         tick = self._tick
-        for depth, key in enumerate(keys):
+        cls = request.cls
+        deadline = request.deadline
+        moved = 0
+        for depth, key in enumerate(keys[start:] if start else keys, start):
             entry = blocks.get(key)
             if entry is None:
                 continue
             self._unpush(entry)
-            entry.cls = request.cls
-            self._tick_sum += tick - entry.tick
+            entry.cls = cls
+            moved += tick - entry.tick
             entry.tick = tick
             entry.depth = depth
-            entry.deadline = request.deadline
+            entry.deadline = deadline
             self._offer(key, entry)
+        self._tick_sum += moved
 
     def admits(self, ctx: ReqContext | None, n: int = 1) -> bool:
         """Whether to store ``n`` new blocks of the request of ``ctx`` at all.
@@ -558,14 +570,19 @@ class TurnAwareCachePolicy(CachePolicy):
             return None
         value_of = self._valuer(self.clock(), self.turnover())
         classes = self._classes
-        # (value, tick, -depth, class): cheapest first; equal values (an untrained policy)
-        # go oldest first, i.e. LRU.
+        heappop, heappush, heappushpop = heapq.heappop, heapq.heappush, heapq.heappushpop
+        head = self._head
+        # (value, tick, -depth, class) of every non-empty class's head, cheapest first; equal
+        # values (an untrained policy) go oldest first, i.e. LRU. ``top`` is the cheapest,
+        # popped; a class whose head changed is pushed back with heappushpop (one sift instead
+        # of a push and a pop per victim).
         heads = self._heads(value_of)
         heapq.heapify(heads)
+        top = heappop(heads) if heads else None
         out: list[tuple[bytes, BlockStatus]] = []
         passed: list[tuple[int, tuple[int, int, int, bytes]]] = []  # protected heads
         while len(out) < n:
-            if not heads:
+            if top is None:
                 # Only blocks with a resident (pinned or protected) child are left.
                 key = min(
                     (k for k, e in blocks.items() if e.block.ref_cnt == 0 and k not in protected),
@@ -573,34 +590,43 @@ class TurnAwareCachePolicy(CachePolicy):
                 )
                 out.append((key, self._forget(key).block))
                 continue
-            value, _, _, idx = heapq.heappop(heads)
+            value, _, _, idx = top
             stats = classes[idx]
-            item = self._head(stats)
-            if item is None:
+            entry = head(stats)
+            if entry is None:
+                top = heappop(heads) if heads else None
                 continue
+            heap = stats.heap
+            item = heap[0]
+            # A lone class needs no values: its head goes first whatever it is worth.
+            if heads and (current := value_of(entry)) > value and current > heads[0][0]:
+                top = heappushpop(heads, (current, item[0], item[1], idx))  # stale: re-rank
+                continue
+            heappop(heap)  # ``item``: evicted (stale from now on) or passed over
             key = item[3]
-            current = value_of(blocks[key])
-            if current > value and heads and current > heads[0][0]:
-                heapq.heappush(heads, (current, item[0], item[1], idx))  # stale: re-rank
-                continue
             offered = None
             if key in protected:
-                heapq.heappop(stats.heap)
                 passed.append((idx, item))
             else:
-                entry = self._forget(key)  # may offer its parent to a class heap
+                self._forget(key)  # may offer its parent to a class heap
                 out.append((key, entry.block))
+                if len(out) == n:
+                    break
                 parent = None if entry.parent is None else blocks.get(entry.parent)
                 if parent is not None and parent.token >= 0 and parent.cls != idx:
                     offered = parent  # a parent of this class is among its heads below
-            if (nxt := self._head(stats)) is not None:
-                value = value_of(blocks[nxt[3]])
-                heapq.heappush(heads, (value, nxt[0], nxt[1], idx))
             if offered is not None:
-                value = value_of(offered)
-                heapq.heappush(heads, (value, offered.tick, -offered.depth, offered.cls))
+                heappush(heads, (value_of(offered), offered.tick, -offered.depth, offered.cls))
+            if (entry := head(stats)) is not None:
+                nxt = heap[0]
+                if heads:
+                    top = heappushpop(heads, (value_of(entry), nxt[0], nxt[1], idx))
+                else:
+                    top = (value, nxt[0], nxt[1], idx)  # a lone class: its value is not read
+            else:
+                top = heappop(heads) if heads else None
         for idx, item in passed:
-            heapq.heappush(classes[idx].heap, item)
+            heappush(classes[idx].heap, item)
         return out
 
     def clear(self) -> None:

@@ -239,6 +239,37 @@ def _class_key(policy: TurnAwareCachePolicy, ctx: ReqContext) -> tuple[int, int,
     return policy._classes[request.cls].key
 
 
+def test_eviction_order_survives_a_heap_compaction_within_evict() -> None:
+    """A class heap is compacted (stale items dropped, in place) once it holds more than twice
+    its live items + 64. ``evict`` queues each victim's parent in the heap it is walking, so the
+    compaction can happen in the middle of a call: the victims must not change (oldest request
+    first, deepest block first; then, with only parents of pinned blocks idle, the deepest of
+    those)."""
+    a = [b"a%d" % i for i in range(10)]
+    b = [b"b%d" % i for i in range(10)]
+    compacted_within = 0
+    for touches in range(60, 72):
+        mgr = CPUOffloadingManager(32, "turn_aware")
+        ctx = ReqContext("b")
+        _store(mgr, a, ReqContext("a"))
+        _store(mgr, b, ctx)
+        for _ in range(touches):
+            mgr.touch(b, ctx)  # re-queues b9, leaving a stale item behind each time
+        mgr.prepare_load([b[-1]])  # pin b9: one live item fewer, so a lower bound
+        request = ctx.get_state(_Request)
+        assert request is not None
+        heap = mgr.policy._classes[request.cls].heap  # a's and b's class
+        before = len(heap)
+        out = mgr.prepare_store([b"c%d" % i for i in range(22)])  # 12 free slots: 10 victims
+        assert out is not None
+        assert out.evicted_keys == a[::-1], touches
+        assert mgr.policy._classes[request.cls].heap is heap  # compacted in place
+        compacted_within += len(heap) < before - 2
+        out = mgr.prepare_store([b"d0"])  # c* not ready, b9 pinned: b0…b8 have a child
+        assert out is not None and out.evicted_keys == [b"b8"]
+    assert compacted_within  # the bound was crossed inside evict for some touch count
+
+
 def test_turn_inference_from_chained_keys() -> None:
     """(hint, priority, turn, bit length of the new-block count) per request."""
     policy = TurnAwareCachePolicy(64)
