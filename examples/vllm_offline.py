@@ -30,7 +30,9 @@ def main() -> None:
 
 
 def write_tiny_llama(path: str) -> None:
-    """A 2-layer Llama config (random weights come from ``load_format="dummy"``)."""
+    """Write a 2-layer Llama config (hidden 128, GQA 4/2, vocab 1,000, 512 positions) into
+    ``path``; its random weights come from ``load_format="dummy"``. The vLLM tests use it too
+    (``tests/integrations``)."""
     import transformers
 
     transformers.LlamaConfig(

@@ -26,9 +26,10 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 with warnings.catch_warnings():  # vLLM's and torch's import-time deprecations are not ours
     warnings.simplefilter("ignore")
     vllm = pytest.importorskip("vllm", reason="vLLM is not installed in this environment")
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    pytest.importorskip("transformers", reason="transformers is not installed")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm_offline import write_tiny_llama
 
     import kvcascade
     from kvcascade.integrations import vllm as kcv
@@ -42,22 +43,10 @@ THIRD = [(i * 11) % 983 + 5 for i in range(70)]  # 2 full blocks
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-def write_model(path: Path) -> None:
-    transformers.LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1000,
-        max_position_embeddings=512,
-    ).save_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama")
-    write_model(path)
+    write_tiny_llama(str(path))
     return path
 
 

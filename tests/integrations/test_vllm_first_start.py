@@ -84,7 +84,7 @@ def test_first_start_with_empty_kernel_cache_serves_repeat_from_cpu_tier(
         "KVCASCADE_BUILD_DIR": str(build_dir),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "PYTHONPATH": os.pathsep.join(
-            [str(ROOT), str(Path(__file__).resolve().parent)]
+            [str(ROOT), str(Path(__file__).resolve().parent), str(ROOT / "examples")]
             + [p for p in [os.environ.get("PYTHONPATH")] if p]
         ),
     }

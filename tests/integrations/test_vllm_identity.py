@@ -34,10 +34,11 @@ def test_tier_salt_refines_the_top_level_salt() -> None:
 try:
     with warnings.catch_warnings():  # vLLM's and torch's import-time deprecations are not ours
         warnings.simplefilter("ignore")
-        import transformers
+        import transformers  # noqa: F401 - write_tiny_llama needs it
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+        from vllm_offline import write_tiny_llama
 
         from kvcascade.integrations import vllm as kcv
 except ImportError:  # the main environment has no vLLM: only the salt rule runs there
@@ -51,15 +52,7 @@ LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama")
-    transformers.LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1000,
-        max_position_embeddings=512,
-    ).save_pretrained(path)
+    write_tiny_llama(str(path))
     return path
 
 

@@ -40,11 +40,12 @@ with warnings.catch_warnings():  # vLLM's and torch's import-time deprecations a
     import psutil
     import zmq
     from prometheus_client.parser import text_string_to_metric_families
-    from test_vllm_e2e import fs_config, write_model
+    from test_vllm_e2e import fs_config
     from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    from vllm_offline import write_tiny_llama
 
     import kvcascade
 
@@ -277,7 +278,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
     on the same fs root (first request from disk, SIGTERM); every observation recorded."""
     tmp = tmp_path_factory.mktemp("serve")
     model = tmp / "model"
-    write_model(model)
+    write_tiny_llama(str(model))
     fs_root = tmp / "fs"
     engine_id = f"kvc-serve-{uuid.uuid4().hex[:8]}"
     config = fs_config(fs_root, cpu_bytes_to_use=CPU_BLOCKS * BLOCK_BYTES)
