@@ -158,6 +158,28 @@ async def test_roundtrip_layout_and_value_are_the_fs_block_file(
     client.close()
 
 
+@pytest.mark.parametrize("protocol", [2, 3])
+async def test_large_values_load_byte_exact_over_either_protocol(
+    server: Server, protocol: int
+) -> None:
+    """Blocks of 1 MiB (each value arrives in many socket chunks) store and load byte-exact over
+    RESP2 and RESP3 (``?protocol=``), several loads on each of two connections; the loads
+    receive into two reused value buffers, one per command in flight (``max_concurrency``)."""
+    block = 1 << 20
+    big = kc.HostBuffer(12, block)
+    try:
+        tier = make_tier(f"{server.url}?protocol={protocol}", big, max_concurrency=2)
+        async with running(tier):
+            assert (await store(tier, big, list(range(6)), list(range(6)))).success
+            big.tensor()[6:].zero_()
+            result = await load(tier, list(range(6)), list(range(6, 12)))
+            assert result.success and result.transfer_size == 6 * block
+            assert [bytes(big.row(6 + i)) == pattern(i, block) for i in range(6)] == [True] * 6
+            assert len(tier._values) == 2
+    finally:
+        big.close()
+
+
 async def test_invalidate_deletes_the_values(server: Server, host: kc.HostBuffer) -> None:
     """Issue #21 item 6: invalidate deletes the values on the server, answers how many existed
     and turns cached HIT verdicts into MISS."""
