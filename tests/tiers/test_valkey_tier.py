@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -321,6 +322,39 @@ async def test_server_restart_degrades_then_recovers_without_restart(
             assert (await load(tier, [3], [10])).success and bytes(host.row(10)) == pattern(3)
         assert caplog.text.count("unreachable; lookups miss") == 1
         assert caplog.text.count("answers again") == 1
+    finally:
+        srv.stop()
+
+
+async def test_paused_server_times_out_per_attempt_then_recovers(
+    tmp_path: Path, host: kc.HostBuffer
+) -> None:
+    """A server paused (SIGSTOP) accepts connections but answers nothing: a load and a store
+    each fail by ``timeout_s`` on every attempt (the job's own ``io_timeout_s`` never passes),
+    the server is marked down, the row is untouched; resumed (SIGCONT), the tier answers again
+    after ``DOWN_RETRY_S`` and the block stored before loads byte-exact."""
+    srv = Server(tmp_path / "paused")
+    srv.start()
+    try:
+        tier = make_tier(srv.url, host, timeout_s=0.3, max_attempts=2, io_timeout_s=60)
+        async with running(tier):
+            assert (await store(tier, host, [0])).success
+            srv.signal(signal.SIGSTOP)
+            try:
+                host.row(9)[:] = b"\x55" * BLOCK
+                failed = await load(tier, [0], [9])
+                assert not failed.success and "unreachable (TimeoutError)" in (failed.error or "")
+                assert bytes(host.row(9)) == b"\x55" * BLOCK
+                assert not (await store(tier, host, [1])).success  # marked down: dropped
+                assert tier.counters["store_dropped_blocks"] == 1
+                await asyncio.sleep(valkey_module.DOWN_RETRY_S + 0.1)
+                again = await store(tier, host, [2], [2])
+                assert not again.success and "unreachable (TimeoutError)" in (again.error or "")
+            finally:
+                srv.signal(signal.SIGCONT)
+            await asyncio.sleep(valkey_module.DOWN_RETRY_S + 0.1)
+            assert (await load(tier, [0], [9])).success and bytes(host.row(9)) == pattern(0)
+            assert tier.counters["timeouts"] == 0
     finally:
         srv.stop()
 
