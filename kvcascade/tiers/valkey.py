@@ -19,9 +19,10 @@ not ``valkey``), created in the actor's start-up and closed at its end: a
 ``RedisCluster`` with ``max_concurrency`` connections per node for a cluster (routing by the
 key specs of only the commands it sends: :class:`_KeySpecs`). An
 :class:`asyncio.Semaphore` of ``max_concurrency`` bounds the commands in flight. Every command
-has a deadline: ``connect_timeout_s`` to connect, ``timeout_s`` per socket read or write,
-retried by the client (``max_attempts`` in all, exponential backoff) on connection errors and
-timeouts; the job as a whole is bounded by ``io_timeout_s`` (:class:`SecondaryTier`).
+has a deadline: ``connect_timeout_s`` to connect, ``timeout_s`` per socket read or write (one
+server's ``SET`` and ``GET``: per attempt, :meth:`ValkeyTier._roundtrip`), retried by the
+client (``max_attempts`` in all, exponential backoff) on connection errors and timeouts; the
+job as a whole is bounded by ``io_timeout_s`` (:class:`SecondaryTier`).
 
 * **Store** (per block, concurrently): on one server the header, the primary row itself and
   the zero padding are sent as separate buffers of one ``SET`` (:meth:`ValkeyTier._set_parts`:
@@ -33,8 +34,9 @@ timeouts; the job as a whole is bounded by ``io_timeout_s`` (:class:`SecondaryTi
   server's LRU clock).
 * **Load** (per block, concurrently): ``GET``; length, header, key digest and checksum are
   verified on the received value (:func:`~kvcascade.tiers._block_format.check_block`) before
-  one copy into the primary row, so a corrupt value never reaches a row. A missing value
-  (evicted by the server, never stored, deleted) fails its block as a miss
+  one copy into the primary row, so a corrupt value never reaches a row. On one server the
+  value is received into a reused buffer (:class:`_ValueReads`), not into fresh ``bytes``. A
+  missing value (evicted by the server, never stored, deleted) fails its block as a miss
   (``counters["missing_blocks"]``); a corrupt or foreign one is deleted and counted
   (``counters["corrupt_blocks"]``).
 * **Lookup**: RETRY-then-verdict lookups (docs/coordinator.md) over one pipeline of
