@@ -1,8 +1,9 @@
 """The valkey tier (issue #20) against real Redis-protocol servers on loopback
 (``redis-server`` / ``valkey-server`` child processes, :mod:`valkey_fixtures`): round trip,
-the key layout and value format shared with the fs and s3 tiers, corruption, eviction by the
-server, a full server, restart, a 3-master cluster with a failover, back-pressure from a
-throttled server, and ``kvcascade replay --valkey``.
+the key layout and value format shared with the fs and s3 tiers, large values over RESP2 and
+RESP3, corruption, eviction by the server, a full server, restart, a paused server, a 3-master
+cluster (round trip, corruption, eviction, failover), back-pressure from a throttled server,
+and ``kvcascade replay --valkey``.
 """
 
 from __future__ import annotations
@@ -541,6 +542,35 @@ async def test_cluster_roundtrip_spreads_blocks_over_every_master(
         assert not (await load(tier, [5], [13])).success
         assert tier.counters["corrupt_blocks"] == 1 and client.exists(name) == 0
     client.close()
+
+
+async def test_cluster_eviction_by_the_masters_is_a_clean_miss(
+    cluster: Cluster, host: kc.HostBuffer
+) -> None:
+    """Each master with ``allkeys-lru`` and 1 MiB of room: storing ~1.6 MiB of values per master
+    evicts old blocks on the masters; those are MISS at lookup and a clean failed block at load
+    (``missing_blocks``, no error), the newest load byte-exact, no store fails. The masters'
+    limits are lifted afterwards (the module's cluster is shared)."""
+    for master in cluster.masters:
+        used = int(master.cli("INFO", "memory").split("used_memory:")[1].split()[0])
+        master.cli("CONFIG", "SET", "maxmemory-policy", "allkeys-lru")
+        master.cli("CONFIG", "SET", "maxmemory", str(used + (1 << 20)))
+    try:
+        tier = make_tier(cluster.url, host, cluster=True)
+        async with running(tier):
+            for i in range(0, 400, 8):  # 400 values of 12 KiB over 3 masters
+                assert (await store(tier, host, list(range(i, i + 8)), list(range(8)))).success
+            got = await lookups(tier, [key(i) for i in range(400)], kc.ReqContext("r"))
+            evicted = got.index(R.MISS)
+            assert evicted < 200 and got[-1] == R.HIT
+            assert (await load(tier, [399], [9])).success
+            assert bytes(host.row(9)) == pattern(399)
+            assert not (await load(tier, [evicted], [10])).success
+            assert tier.counters["missing_blocks"] == 1
+            assert tier.counters["errors"] == tier.counters["store_failures"] == 0
+    finally:
+        for master in cluster.masters:
+            master.cli("CONFIG", "SET", "maxmemory", "0")
 
 
 async def test_cluster_failover_degrades_then_serves_the_replicated_blocks(
