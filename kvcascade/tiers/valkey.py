@@ -210,9 +210,8 @@ def _value_buffer(nbytes: int) -> memoryview:
     """A zeroed, page-aligned buffer of ``nbytes`` bytes (an anonymous mapping).
 
     Page-aligned, a value's payload (at :data:`HEADER_BYTES`) has the page offset of a primary
-    row: on this project's AMD EPYC VM ``memmove`` of 64 KiB between heap buffers ran at a
-    twentieth of its speed when the destination sat 16 bytes past the source's page offset
-    (docs/valkey-tier.md, Performance)."""
+    row: a 64 KiB copy whose destination sat 16 bytes past its source's page offset ran 17×
+    slower on the AMD EPYC VM of docs/valkey-tier.md, Performance."""
     return memoryview(mmap.mmap(-1, nbytes))
 
 
@@ -506,7 +505,7 @@ class ValkeyTier(SecondaryTier):
         Deadline: ``timeout_s`` per attempt, send and reply together, under one
         ``asyncio.timeout``; the connection's own socket timeout is lifted meanwhile (with it
         redis-py sends through ``asyncio.wait_for``, a task, and reads under a second timer:
-        measured a fifth of the tier's CPU per 64 KiB block, docs/valkey-tier.md). A command
+        15-25 % of the tier's CPU per 64 KiB block, docs/valkey-tier.md). A command
         cut short disconnects its connection (redis-py's ``send_packed_command`` and
         ``read_response`` do on any exception) and is tried again like any timeout.
 
