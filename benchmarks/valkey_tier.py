@@ -8,8 +8,9 @@ loaded back, against the same server in the same run:
   then awaiting the futures): header + xxh3-64 checksum written and verified, values sent
   from (single server: header, row and padding as separate buffers; cluster: assembled) and
   copied into the primary rows, ``--concurrency`` commands in flight.
-* raw: one ``redis.asyncio`` client with the same pool (``BlockingConnectionPool`` of
-  ``--concurrency`` connections, same timeouts) doing ``asyncio.gather`` of one ``SET`` per
+* raw: one ``redis.asyncio`` client with a pool of the same size (``BlockingConnectionPool`` of
+  ``--concurrency`` connections, redis-py's defaults otherwise: in 8.1 a socket timeout of 5 s,
+  the tier's ``timeout_s``, and its default parser) doing ``asyncio.gather`` of one ``SET`` per
   block with a prepared ``bytes`` value of the same size (built before the clock starts) under
   a semaphore of ``--concurrency``, then of one ``GET`` per block (no verification, no copy).
 

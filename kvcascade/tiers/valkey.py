@@ -19,9 +19,10 @@ not ``valkey``), created in the actor's start-up and closed at its end: a
 ``RedisCluster`` with ``max_concurrency`` connections per node for a cluster (routing by the
 key specs of only the commands it sends: :class:`_KeySpecs`). An
 :class:`asyncio.Semaphore` of ``max_concurrency`` bounds the commands in flight. Every command
-has a deadline: ``connect_timeout_s`` to connect, ``timeout_s`` per socket read or write,
-retried by the client (``max_attempts`` in all, exponential backoff) on connection errors and
-timeouts; the job as a whole is bounded by ``io_timeout_s`` (:class:`SecondaryTier`).
+has a deadline: ``connect_timeout_s`` to connect, ``timeout_s`` per socket read or write (one
+server's ``SET`` and ``GET``: per attempt, :meth:`ValkeyTier._roundtrip`), retried by the
+client (``max_attempts`` in all, exponential backoff) on connection errors and timeouts; the
+job as a whole is bounded by ``io_timeout_s`` (:class:`SecondaryTier`).
 
 * **Store** (per block, concurrently): on one server the header, the primary row itself and
   the zero padding are sent as separate buffers of one ``SET`` (:meth:`ValkeyTier._set_parts`:
@@ -33,8 +34,9 @@ timeouts; the job as a whole is bounded by ``io_timeout_s`` (:class:`SecondaryTi
   server's LRU clock).
 * **Load** (per block, concurrently): ``GET``; length, header, key digest and checksum are
   verified on the received value (:func:`~kvcascade.tiers._block_format.check_block`) before
-  one copy into the primary row, so a corrupt value never reaches a row. A missing value
-  (evicted by the server, never stored, deleted) fails its block as a miss
+  one copy into the primary row, so a corrupt value never reaches a row. On one server the
+  value is received into a reused buffer (:class:`_ValueReads`), not into fresh ``bytes``. A
+  missing value (evicted by the server, never stored, deleted) fails its block as a miss
   (``counters["missing_blocks"]``); a corrupt or foreign one is deleted and counted
   (``counters["corrupt_blocks"]``).
 * **Lookup**: RETRY-then-verdict lookups (docs/coordinator.md) over one pipeline of
@@ -56,16 +58,20 @@ import asyncio
 import contextlib
 import functools
 import logging
+import mmap
 import urllib.parse
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
+from redis._parsers import _AsyncRESP2Parser, _AsyncRESP3Parser
 from redis._parsers.commands import AsyncCommandsParser
+from redis._parsers.socket import SERVER_CLOSED_CONNECTION_ERROR
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.utils import check_protocol_version
 
 from .._errors import (
     ConfigError,
@@ -144,6 +150,69 @@ class _KeySpecs(AsyncCommandsParser):
             self.node = node
         answer = await self.node.execute_command("COMMAND", "INFO", *_KEYED)
         self.commands = {name.lower(): spec for name, spec in answer.items()}
+
+
+class _ValueReads:
+    """What the tier's RESP parsers add to redis-py's: a bulk reply of exactly ``len(into)``
+    bytes, ``into`` set on the parser while a ``GET`` is read (:meth:`ValkeyTier._roundtrip`),
+    is read into ``into`` and answered as that memoryview.
+
+    redis-py's own ``_AsyncRESPBase._read`` waits with ``StreamReader.readexactly`` until the
+    whole value is in the stream's buffer (which grows to the value's size, chunk by chunk),
+    copies it out into one ``bytes`` and slices the CRLF off into another: three passes over
+    fresh, value-sized allocations, the page faults of each included. Here the value is
+    copied from each chunk the stream received (``StreamReader.read``) into ``into``, a
+    buffer the tier reuses, page-aligned (so that the copy into a primary row runs at full
+    speed). Any other reply, or one of another length (a corrupt value), is redis-py's.
+    A read cut short is not resumed: the connection's ``read_response`` disconnects on any
+    exception (``redis.asyncio.connection.Connection.read_response``), and the parser, reset
+    on connect, starts afresh.
+
+    Raises:
+        redis.exceptions.ConnectionError: the server closed the connection mid-value.
+    """
+
+    into: memoryview | None = None
+    # redis-py's parser state (``_AsyncRESPBase``): the stream, the bytes of a resumed reply.
+    _stream: asyncio.StreamReader
+    _buffer: bytes
+    _pos: int
+
+    async def _read(self, length: int) -> Any:
+        into = self.into
+        if into is None or length != into.nbytes or len(self._buffer) > self._pos:
+            return await super()._read(length)  # type: ignore[misc]
+        stream = self._stream
+        filled = 0
+        while filled < length:
+            chunk = await stream.read(length - filled)
+            if not chunk:
+                raise rexc.ConnectionError(SERVER_CLOSED_CONNECTION_ERROR)
+            into[filled : filled + len(chunk)] = chunk
+            filled += len(chunk)
+        try:
+            await stream.readexactly(2)  # the reply's CRLF
+        except asyncio.IncompleteReadError as exc:
+            raise rexc.ConnectionError(SERVER_CLOSED_CONNECTION_ERROR) from exc
+        self._pos += length + 2
+        return into
+
+
+class _RESP2Values(_ValueReads, _AsyncRESP2Parser):
+    """redis-py's RESP2 parser with :class:`_ValueReads`."""
+
+
+class _RESP3Values(_ValueReads, _AsyncRESP3Parser):
+    """redis-py's RESP3 parser with :class:`_ValueReads`."""
+
+
+def _value_buffer(nbytes: int) -> memoryview:
+    """A zeroed, page-aligned buffer of ``nbytes`` bytes (an anonymous mapping).
+
+    Page-aligned, a value's payload (at :data:`HEADER_BYTES`) has the page offset of a primary
+    row: a 64 KiB copy whose destination sat 16 bytes past its source's page offset ran 17×
+    slower on the AMD EPYC VM of docs/valkey-tier.md, Performance."""
+    return memoryview(mmap.mmap(-1, nbytes))
 
 
 def _display_url(url: str) -> str:
@@ -262,7 +331,9 @@ class ValkeyTier(SecondaryTier):
         }
         self.max_concurrency = max_concurrency
         self._sem = asyncio.Semaphore(max_concurrency)
-        self._values: list[memoryview] = []  # cluster: value buffers free for reuse
+        # Value buffers free for reuse (:func:`_value_buffer`), at most max_concurrency: a
+        # cluster's stores assemble values in them, one server's loads receive values into them.
+        self._values: list[memoryview] = []
         self._padding = bytes(self.value_bytes - HEADER_BYTES - host.block_bytes)
         self._client: Any = None
         self._backend = Backend(name, "valkey", "server", self.url, _MEANINGS, DOWN_RETRY_S)
@@ -291,6 +362,10 @@ class ValkeyTier(SecondaryTier):
             timeout=self.io_timeout_s,
             **self._options,
         )
+        # The protocol the connections speak (RESP3 unless the URL says ?protocol=2), and the
+        # parser for it; no connection is made before the first command.
+        resp3 = check_protocol_version(pool.connection_kwargs.get("protocol"), 3)
+        pool.connection_kwargs["parser_class"] = _RESP3Values if resp3 else _RESP2Values
         return aioredis.Redis.from_pool(pool)
 
     async def _startup(self) -> None:
@@ -375,7 +450,7 @@ class ValkeyTier(SecondaryTier):
         async with self._sem:
             # A value buffer of a finished store is reused: its header beyond the 32 bytes
             # encode_header writes and its padding are still zero; a fresh one costs page faults.
-            value = self._values.pop() if self._values else memoryview(bytearray(self.value_bytes))
+            value = self._values.pop() if self._values else _value_buffer(self.value_bytes)
             payload = value[HEADER_BYTES : HEADER_BYTES + row.nbytes]
             payload[:] = row
             encode_header(key, payload, value[:HEADER_BYTES], self._auth)
@@ -384,59 +459,133 @@ class ValkeyTier(SecondaryTier):
         return row.nbytes
 
     async def _set_parts(self, name: str, parts: Sequence[memoryview | bytes]) -> None:
-        """``SET name <the parts, concatenated>`` on one server, the parts sent as they are.
-
-        The command is packed by hand (RESP: ``*3``, ``$3 SET``, ``$len name``, ``$len`` and the
-        value's parts, ``CRLF``) and sent with the pooled connection's ``send_packed_command``,
-        a list of buffers, so the value is never assembled in a buffer of ours: the client's
-        own ``SET`` takes one argument per value. Connection, retries and response parsing
-        are the client's (``get_connection``, the connection's ``retry``, ``read_response``),
-        as in ``redis.asyncio.Redis.execute_command``, so its errors reach :meth:`_backend`
-        unchanged. A send cut short (deadline, cancellation) disconnects the connection; were
-        the row's bytes to change under such a send, the value stored would fail its checksum
-        on load (a miss), never be served.
+        """``SET name <the parts, concatenated>`` on one server, the parts sent as they are
+        (RESP: ``*3``, ``$3 SET``, ``$len name``, ``$len`` and the value's parts, ``CRLF``):
+        the client's own ``SET`` takes one argument per value, so the value would have to be
+        assembled in a buffer of ours. A send cut short (deadline, cancellation) disconnects
+        the connection; were the row's bytes to change under such a send, the value stored
+        would fail its checksum on load (a miss), never be served.
 
         Raises:
-            the client's exceptions (connection errors after its retries, the server's error
-            replies), and :class:`TransferError` for an answer other than ``OK``.
+            the client's exceptions (:meth:`_roundtrip`), and :class:`TransferError` for an
+            answer other than ``OK``.
         """
         key = name.encode()
         length = sum(memoryview(p).nbytes for p in parts)
         command = [b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (len(key), key, length)]
-        command += [*parts, b"\r\n"]
-
-        async def attempt() -> Any:
-            await conn.send_packed_command(command)
-            return await conn.read_response()
-
-        pool = self._client.connection_pool
-        conn = await pool.get_connection()
-        try:
-            answer = await conn.retry.call_with_retry(attempt, lambda _: conn.disconnect())
-        finally:
-            await pool.release(conn)
+        answer = await self._roundtrip([*command, *parts, b"\r\n"])
         if answer != b"OK":
             raise TransferError(f"valkey SET {name}: answered {answer!r}, not OK")
 
+    async def _get(self, name: str, into: memoryview | None) -> bytes | memoryview | None:
+        """``GET name``: the value, None when there is none. On one server a value of
+        ``len(into)`` bytes is received into ``into`` (:class:`_ValueReads`) and answered as
+        ``into``; any other length, and a cluster's (its client routes the ``GET``), as
+        ``bytes``.
+
+        Raises:
+            the client's exceptions (:meth:`_roundtrip`).
+        """
+        if into is None:
+            return await self._client.get(name)
+        key = name.encode()
+        return await self._roundtrip([b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(key), key)], into)
+
+    async def _roundtrip(
+        self, command: list[bytes | memoryview], into: memoryview | None = None
+    ) -> Any:
+        """Send one RESP-packed ``command`` (a list of buffers, sent as they are) on a pooled
+        connection of the one server and answer its reply; ``into``: where a bulk reply of
+        its length is received (:class:`_ValueReads`).
+
+        Connection, retries and reply parsing are the client's (``get_connection``, the
+        connection's ``retry``, ``send_packed_command``, ``read_response``), as in
+        ``redis.asyncio.Redis.execute_command``, so its errors reach :meth:`_backend`
+        unchanged; ``into`` is set on the connection's parser only while its reply is read.
+        Deadline: ``timeout_s`` per attempt, send and reply together, under one
+        ``asyncio.timeout``; the connection's own socket timeout is lifted meanwhile (with it
+        redis-py sends through ``asyncio.wait_for``, a task, and reads under a second timer:
+        15-25 % of the tier's CPU per 64 KiB block, docs/valkey-tier.md). A command
+        cut short disconnects its connection (redis-py's ``send_packed_command`` and
+        ``read_response`` do on any exception) and is tried again like any timeout.
+
+        Raises:
+            the client's exceptions: connection errors and timeouts
+            (``redis.exceptions.TimeoutError``) after its retries, the server's error replies.
+        """
+        timeout_s = self._options["socket_timeout"]
+
+        async def attempt() -> Any:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await conn.send_packed_command(command)  # connects first if need be
+                    return await reply()
+            except TimeoutError as exc:  # asyncio's; the client retries its own kind
+                raise rexc.TimeoutError(f"no answer within {timeout_s:g} s") from exc
+
+        async def reply() -> Any:
+            # The parser of the connection as it is now (connecting may replace it); redis-py
+            # has no public handle on it.
+            parser = conn._parser
+            if not isinstance(parser, _ValueReads):
+                return await conn.read_response(disable_decoding=True)
+            parser.into = into
+            try:
+                return await conn.read_response(disable_decoding=True)
+            finally:
+                parser.into = None
+
+        pool = self._client.connection_pool
+        conn = await pool.get_connection()
+        conn.socket_timeout = None
+        try:
+            return await conn.retry.call_with_retry(attempt, lambda _: conn.disconnect())
+        finally:
+            conn.socket_timeout = timeout_s
+            await pool.release(conn)
+
     async def _load_one(self, key: bytes, row: memoryview) -> int:
         name = self.object_key(key)
-        value = await self._command("GET", lambda: self._client.get(name))
-        if value is None:
-            self.counters["missing_blocks"] += 1
-            raise NotFoundError(f"valkey GET: no value under {name}")
         try:
-            if len(value) != self.value_bytes:
-                raise CorruptBlockError(
-                    f"{name}: value is {len(value)} bytes, expected {self.value_bytes}"
-                )
-            view = memoryview(value)
-            payload = view[HEADER_BYTES : HEADER_BYTES + row.nbytes]
-            check_block(key, view[:HEADER_BYTES], payload, name, self._auth)
+            async with self._sem:
+                # One server: the value is received into a reused buffer (:meth:`_get`), free
+                # again once checked and copied; after a failed command it is dropped.
+                into = None
+                if not self.cluster:
+                    into = self._values.pop() if self._values else _value_buffer(self.value_bytes)
+                value = await self._call("GET", lambda: self._get(name, into))
+                try:
+                    row[:] = self._payload(key, name, value, row.nbytes)
+                finally:
+                    if into is not None:
+                        self._values.append(into)
         except CorruptBlockError as exc:
             await self._corrupt(exc, functools.partial(self._discard, name))
             raise
-        row[:] = payload
         return row.nbytes
+
+    def _payload(
+        self, key: bytes, name: str, value: bytes | memoryview | None, nbytes: int
+    ) -> memoryview:
+        """The payload (``nbytes`` bytes) of ``value``, the value under ``name``, once its
+        length, header, key digest and checksum (and MAC) are verified
+        (:func:`~kvcascade.tiers._block_format.check_block`).
+
+        Raises:
+            NotFoundError: there is no value (``counters["missing_blocks"]`` += 1).
+            CorruptBlockError: the value is not ``key``'s block, intact.
+        """
+        if value is None:
+            self.counters["missing_blocks"] += 1
+            raise NotFoundError(f"valkey GET: no value under {name}")
+        if len(value) != self.value_bytes:
+            raise CorruptBlockError(
+                f"{name}: value is {len(value)} bytes, expected {self.value_bytes}"
+            )
+        view = memoryview(value)
+        payload = view[HEADER_BYTES : HEADER_BYTES + nbytes]
+        check_block(key, view[:HEADER_BYTES], payload, name, self._auth)
+        return payload
 
     async def _discard(self, name: str) -> None:
         """Delete the value under ``name`` (a failed delete is left to the next load)."""

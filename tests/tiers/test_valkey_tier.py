@@ -1,8 +1,9 @@
 """The valkey tier (issue #20) against real Redis-protocol servers on loopback
 (``redis-server`` / ``valkey-server`` child processes, :mod:`valkey_fixtures`): round trip,
-the key layout and value format shared with the fs and s3 tiers, corruption, eviction by the
-server, a full server, restart, a 3-master cluster with a failover, back-pressure from a
-throttled server, and ``kvcascade replay --valkey``.
+the key layout and value format shared with the fs and s3 tiers, large values over RESP2 and
+RESP3, corruption, eviction by the server, a full server, restart, a paused server, a 3-master
+cluster (round trip, corruption, eviction, failover), back-pressure from a throttled server,
+and ``kvcascade replay --valkey``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -162,6 +164,28 @@ async def test_roundtrip_layout_and_value_are_the_fs_block_file(
     client.close()
 
 
+@pytest.mark.parametrize("protocol", [2, 3])
+async def test_large_values_load_byte_exact_over_either_protocol(
+    server: Server, protocol: int
+) -> None:
+    """Blocks of 1 MiB (each value arrives in many socket chunks) store and load byte-exact over
+    RESP2 and RESP3 (``?protocol=``), several loads on each of two connections; the loads
+    receive into two reused value buffers, one per command in flight (``max_concurrency``)."""
+    block = 1 << 20
+    big = kc.HostBuffer(12, block)
+    try:
+        tier = make_tier(f"{server.url}?protocol={protocol}", big, max_concurrency=2)
+        async with running(tier):
+            assert (await store(tier, big, list(range(6)), list(range(6)))).success
+            big.tensor()[6:].zero_()
+            result = await load(tier, list(range(6)), list(range(6, 12)))
+            assert result.success and result.transfer_size == 6 * block
+            assert [bytes(big.row(6 + i)) == pattern(i, block) for i in range(6)] == [True] * 6
+            assert len(tier._values) == 2
+    finally:
+        big.close()
+
+
 async def test_invalidate_deletes_the_values(server: Server, host: kc.HostBuffer) -> None:
     """Issue #21 item 6: invalidate deletes the values on the server, answers how many existed
     and turns cached HIT verdicts into MISS."""
@@ -303,6 +327,39 @@ async def test_server_restart_degrades_then_recovers_without_restart(
             assert (await load(tier, [3], [10])).success and bytes(host.row(10)) == pattern(3)
         assert caplog.text.count("unreachable; lookups miss") == 1
         assert caplog.text.count("answers again") == 1
+    finally:
+        srv.stop()
+
+
+async def test_paused_server_times_out_per_attempt_then_recovers(
+    tmp_path: Path, host: kc.HostBuffer
+) -> None:
+    """A server paused (SIGSTOP) accepts connections but answers nothing: a load and a store
+    each fail by ``timeout_s`` on every attempt (the job's own ``io_timeout_s`` never passes),
+    the server is marked down, the row is untouched; resumed (SIGCONT), the tier answers again
+    after ``DOWN_RETRY_S`` and the block stored before loads byte-exact."""
+    srv = Server(tmp_path / "paused")
+    srv.start()
+    try:
+        tier = make_tier(srv.url, host, timeout_s=0.3, max_attempts=2, io_timeout_s=60)
+        async with running(tier):
+            assert (await store(tier, host, [0])).success
+            srv.signal(signal.SIGSTOP)
+            try:
+                host.row(9)[:] = b"\x55" * BLOCK
+                failed = await load(tier, [0], [9])
+                assert not failed.success and "unreachable (TimeoutError)" in (failed.error or "")
+                assert bytes(host.row(9)) == b"\x55" * BLOCK
+                assert not (await store(tier, host, [1])).success  # marked down: dropped
+                assert tier.counters["store_dropped_blocks"] == 1
+                await asyncio.sleep(valkey_module.DOWN_RETRY_S + 0.1)
+                again = await store(tier, host, [2], [2])
+                assert not again.success and "unreachable (TimeoutError)" in (again.error or "")
+            finally:
+                srv.signal(signal.SIGCONT)
+            await asyncio.sleep(valkey_module.DOWN_RETRY_S + 0.1)
+            assert (await load(tier, [0], [9])).success and bytes(host.row(9)) == pattern(0)
+            assert tier.counters["timeouts"] == 0
     finally:
         srv.stop()
 
@@ -489,6 +546,38 @@ async def test_cluster_roundtrip_spreads_blocks_over_every_master(
         assert not (await load(tier, [5], [13])).success
         assert tier.counters["corrupt_blocks"] == 1 and client.exists(name) == 0
     client.close()
+
+
+async def test_cluster_eviction_by_the_masters_is_a_clean_miss(cluster: Cluster) -> None:
+    """Each master with ``allkeys-lru`` and 4 MiB of room: storing ~6.8 MiB of values per master
+    evicts old blocks on the masters; those are MISS at lookup and a clean failed block at load
+    (``missing_blocks``, no error), the newest load byte-exact, no store fails. (With 1 MiB of
+    room a master sometimes answered OOM: its clients' buffers alone can take that much.) The
+    masters' limits are lifted afterwards (the module's cluster is shared)."""
+    block = 64 << 10
+    big = kc.HostBuffer(16, block)
+    for master in cluster.masters:
+        used = int(master.cli("INFO", "memory").split("used_memory:")[1].split()[0])
+        master.cli("CONFIG", "SET", "maxmemory-policy", "allkeys-lru")
+        master.cli("CONFIG", "SET", "maxmemory", str(used + (4 << 20)))
+    try:
+        tier = make_tier(cluster.url, big, cluster=True)
+        async with running(tier):
+            for i in range(0, 300, 8):  # 300 values of 68 KiB over 3 masters
+                ids = list(range(i, min(i + 8, 300)))
+                assert (await store(tier, big, ids, list(range(len(ids))))).success
+            got = await lookups(tier, [key(i) for i in range(300)], kc.ReqContext("r"))
+            evicted = got.index(R.MISS)
+            assert evicted < 150 and got[-1] == R.HIT
+            assert (await load(tier, [299], [9])).success
+            assert bytes(big.row(9)) == pattern(299, block)
+            assert not (await load(tier, [evicted], [10])).success
+            assert tier.counters["missing_blocks"] == 1
+            assert tier.counters["errors"] == tier.counters["store_failures"] == 0
+    finally:
+        for master in cluster.masters:
+            master.cli("CONFIG", "SET", "maxmemory", "0")
+        big.close()
 
 
 async def test_cluster_failover_degrades_then_serves_the_replicated_blocks(
