@@ -43,11 +43,11 @@ _OWN_KEYS = {
 KNOWN_KEYS = frozenset(_VLLM_KEYS | _OWN_KEYS)
 
 
-def _positive_int(name: str, value: Any, *, allow_zero: bool = False) -> int:
+def _positive_int(name: str, value: Any) -> int:
     if not is_int(value):
         raise ConfigError(f"{name} must be an integer, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+    if value <= 0:
+        raise ConfigError(f"{name} must be > 0, got {value}")
     return value
 
 
@@ -127,7 +127,7 @@ class CascadeConfig:
         _positive_int("block_bytes", self.block_bytes)
         _positive_int("gpu_blocks", self.gpu_blocks)
         if self.cpu_blocks is not None:
-            _positive_int("cpu_blocks", self.cpu_blocks, allow_zero=True)
+            _positive_int("cpu_blocks", self.cpu_blocks)  # 0 slots would drop every store
         if self.cpu_bytes_to_use is not None:
             _positive_int("cpu_bytes_to_use", self.cpu_bytes_to_use)
         if self.cpu_blocks is None and self.cpu_bytes_to_use is None:

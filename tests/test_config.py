@@ -32,6 +32,12 @@ def test_bad_values_fail_at_construction(overrides: dict, message: str, tmp_path
     assert not (tmp_path / "kv").exists()  # refused before touching the disk
 
 
+def test_a_primary_tier_of_no_slots_is_refused() -> None:
+    """Every store would be dropped and no tier behind it ever written (a user trial's find)."""
+    with pytest.raises(kc.ConfigError, match="cpu_blocks must be > 0, got 0"):
+        kc.CascadeConfig(cpu_blocks=0)
+
+
 def test_two_fs_tiers_on_one_directory_are_refused(tmp_path: Path) -> None:
     """The bounded one would evict the other's files."""
     tiers = [

@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     rp.add_argument(
         "--cpu-blocks",
-        type=_nonneg_int,
+        type=_positive_int,
         help=f"CPU primary-tier blocks (default {DEFAULT_CPU_BLOCKS})",
     )
     rp.add_argument(

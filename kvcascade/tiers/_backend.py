@@ -153,7 +153,9 @@ class Backend:
 
     def _mark_up(self) -> None:
         if self._down_until:
-            log.info("%s tier %s: %s %s answers again", self.kind, self.tier, self.noun, self.where)
+            log.warning(
+                "%s tier %s: %s %s answers again", self.kind, self.tier, self.noun, self.where
+            )
             self._down_until = 0.0
 
     def _mark_full(self) -> None:

@@ -304,7 +304,7 @@ async def test_server_restart_degrades_then_recovers_without_restart(
 ) -> None:
     """The server killed: the first command fails and marks it down (one warning), then
     lookups MISS, stores are dropped and loads fail without a command; restarted empty on the
-    same port, the tier answers again after ``DOWN_RETRY_S`` (one info line): old blocks are
+    same port, the tier answers again after ``DOWN_RETRY_S`` (one warning line): old blocks are
     misses, new ones round-trip."""
     caplog.set_level(logging.INFO, logger="kvcascade")
     srv = Server(tmp_path / "restart")
