@@ -382,8 +382,10 @@ class ValkeyTier(SecondaryTier):
             with self._backend.translate("PING"):
                 await self._client.ping()
         except (TierUnavailableError, TransferError) as exc:
+            refused = isinstance(exc.__cause__, (rexc.AuthenticationError, rexc.NoPermissionError))
+            what = "refused the credentials" if refused else "is not reachable"
             raise TierUnavailableError(
-                f"valkey tier {self.name!r}: server {self.url} is not reachable ({exc})"
+                f"valkey tier {self.name!r}: server {self.url} {what} ({exc})"
             ) from exc
         with contextlib.suppress(KVCascadeError), self._backend.translate("CONFIG GET"):
             config = await self._client.config_get("maxmemory*")

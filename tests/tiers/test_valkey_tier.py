@@ -121,6 +121,23 @@ async def test_startup_fails_naming_the_server_when_unreachable(host: kc.HostBuf
     assert tier._client is None
 
 
+async def test_startup_with_a_wrong_password_says_the_credentials_were_refused(
+    tmp_path: Path, host: kc.HostBuffer
+) -> None:
+    """A server with ``requirepass`` and the wrong password: start-up fails saying the server
+    refused the credentials (not that it is unreachable), and shows neither password."""
+    srv = Server(tmp_path / "auth", password=PASSWORD)
+    srv.start()
+    try:
+        tier = make_tier(srv.url, host, password="not-the-" + PASSWORD, max_attempts=1)
+        with pytest.raises(kc.TierUnavailableError) as err:
+            await asyncio.wait_for(tier.serve(), 10)
+        assert f"server {srv.url} refused the credentials" in str(err.value)
+        assert "AuthenticationError" in str(err.value) and PASSWORD not in str(err.value)
+    finally:
+        srv.stop()
+
+
 # -- single server ------------------------------------------------------------------------
 async def test_roundtrip_layout_and_value_are_the_fs_block_file(
     server: Server, host: kc.HostBuffer, tmp_path: Path
