@@ -6,7 +6,7 @@ vLLM's ARC: ``vllm/v1/kv_offload/cpu/policies/arc.py``; the fallback: docs/cpu-t
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, KeysView
+from collections.abc import Collection, Iterable, KeysView, Sequence
 from itertools import chain
 
 from .._types import ReqContext
@@ -116,6 +116,33 @@ class ARCCachePolicy(CachePolicy):
                 step = max(1.0, len(b1) / len(b2))
                 self.target_t1_size = max(self.target_t1_size - step, 0.0)
                 b2.move_to_end(key)
+
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[bytes]],
+        insertion_only_keys: set[bytes],
+        reused_keys: set[bytes],
+        ctx: ReqContext,
+    ) -> None:
+        """vLLM's rule (``kv_offload/cpu/policies/arc.py``), walking the request's keys tail to
+        head (groups one after the other): a key it only inserted moves to the recent end of the
+        list it is in (a store is no frequency hit: ``t1`` stays ``t1``); a key it reused counts
+        as one access (``t1`` → ``t2`` recent end, or ``t2`` recent end); other keys (written by
+        another request while this one saw them) do not move."""
+        t1, t2 = self._t1, self._t2
+        for group in reversed(key_groups):
+            for key in reversed(group):
+                if key in insertion_only_keys:
+                    if key in t1:
+                        t1.move_to_end(key)
+                    elif key in t2:
+                        t2.move_to_end(key)
+                elif key in reused_keys:
+                    block = t1.pop(key, None)
+                    if block is not None:
+                        t2[key] = block
+                    elif key in t2:
+                        t2.move_to_end(key)
 
     def evict(self, n: int, protected: Collection[bytes]) -> list[tuple[bytes, BlockStatus]] | None:
         if n <= 0:

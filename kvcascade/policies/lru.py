@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 
 from .._types import ReqContext
 from .base import BlockStatus, CachePolicy, as_sequence
@@ -49,6 +49,24 @@ class LRUCachePolicy(CachePolicy):
             block = blocks.get(key)
             if block is not None and block.ref_cnt == 0:
                 move(key)
+
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[bytes]],
+        insertion_only_keys: set[bytes],
+        reused_keys: set[bytes],
+        ctx: ReqContext,
+    ) -> None:
+        """vLLM's rule (``kv_offload/cpu/policies/lru.py``): the request's keys, groups one
+        after the other, become the most recent, tail to head — its head block most recent, its
+        deepest block the least recent of them (evicted first). Pinned and not-ready keys move
+        too (vLLM ranks them; here ``mark_evictable`` moves them again when they become idle)."""
+        blocks = self._blocks
+        move = blocks.move_to_end
+        for group in reversed(key_groups):
+            for key in reversed(group):
+                if key in blocks:
+                    move(key)
 
     def evict(self, n: int, protected: Collection[bytes]) -> list[tuple[bytes, BlockStatus]] | None:
         if n <= 0:

@@ -166,6 +166,7 @@ def simulate(
             manager.complete_store(out.keys_to_store, ctx)
         if free_rules:
             manager.touch(touched, ctx)
+        manager.on_request_finished(ctx)
         if progress is not None:
             progress(1)
     return PolicyRun(policy, capacity, hits, instances, dropped)
