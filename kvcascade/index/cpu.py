@@ -61,11 +61,12 @@ class _RequestCacheAccess:
     ``seen``: every key the request stored, offered while readable, or loaded, in first-seen
     order (a dict used as an ordered set; grouped per KV-cache group at finish). ``inserted``:
     keys this request's ``prepare_store`` allocated. ``reused``: ready keys it loaded or offered
-    again that it did not insert itself. ``generation``: the manager's ``reset_cache`` count
+    again that it did not insert itself. ``store_misses``: absent keys it offered, already shown
+    to the policy's ``on_store_miss``. ``generation``: the manager's ``reset_cache`` count
     when recorded (a state from before a reset is ignored and started over).
     """
 
-    __slots__ = ("finished", "generation", "inserted", "owner", "reused", "seen")
+    __slots__ = ("finished", "generation", "inserted", "owner", "reused", "seen", "store_misses")
 
     def __init__(self, owner: object, generation: int) -> None:
         self.owner = owner
@@ -73,6 +74,7 @@ class _RequestCacheAccess:
         self.seen: dict[bytes, None] = {}
         self.inserted: set[bytes] = set()
         self.reused: set[bytes] = set()
+        self.store_misses: set[bytes] = set()
         self.finished = False
 
     def record(self, keys: Iterable[bytes], reused: Collection[bytes] = ()) -> None:
@@ -185,6 +187,9 @@ class CPUOffloadingManager:
             cache_capacity=num_blocks
         )
         self._get = self._policy.get
+        # Only policies that override the hook pay for the per-request miss set.
+        overridden = type(self._policy).on_store_miss is not CachePolicy.on_store_miss
+        self._on_store_miss = self._policy.on_store_miss if overridden else None
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         # One BlockStatus per slot, made up front so the hot path allocates no tracked objects
         # (fewer garbage-collector passes); never-used slots are taken in increasing order.
@@ -341,6 +346,13 @@ class CPUOffloadingManager:
                 pending += 1
         access = self._access(ctx) if ctx is not None else None
         if access is not None:
+            if to_store and self._on_store_miss is not None:
+                # Once per key and request, before insert() drops a ghost (vLLM's order).
+                seen_misses = access.store_misses
+                misses = [key for key in to_store if key not in seen_misses]
+                if misses:
+                    self._on_store_miss(misses, ctx)
+                    seen_misses.update(misses)
             # Before any early return, as vLLM's; keys another writer is still writing are not
             # the request's (yet).
             if pending:

@@ -96,8 +96,7 @@ class ARCCachePolicy(CachePolicy):
             del self._t2[key]
 
     def touch(self, keys: Collection[bytes], ctx: ReqContext | None = None) -> None:
-        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
-        capacity = self.cache_capacity
+        t1, t2 = self._t1, self._t2
         for key in reversed(as_sequence(keys)):
             block = t1.get(key)
             if block is not None:
@@ -108,14 +107,28 @@ class ARCCachePolicy(CachePolicy):
                     t2[key] = block
             elif key in t2:
                 t2.move_to_end(key)
-            elif key in b1:
-                step = max(1.0, len(b2) / len(b1))
-                self.target_t1_size = min(self.target_t1_size + step, capacity)
-                b1.move_to_end(key)
-            elif key in b2:
-                step = max(1.0, len(b1) / len(b2))
-                self.target_t1_size = max(self.target_t1_size - step, 0.0)
-                b2.move_to_end(key)
+            else:
+                self._ghost_hit(key)
+
+    def _ghost_hit(self, key: bytes) -> None:
+        """A ``b1`` ghost raises ``p`` by ``max(1, |b2|/|b1|)``, a ``b2`` ghost lowers it by
+        ``max(1, |b1|/|b2|)`` (clamped to ``[0, c]``); the ghost moves to its list's recent end."""
+        b1, b2 = self._b1, self._b2
+        if key in b1:
+            step = max(1.0, len(b2) / len(b1))
+            self.target_t1_size = min(self.target_t1_size + step, self.cache_capacity)
+            b1.move_to_end(key)
+        elif key in b2:
+            step = max(1.0, len(b1) / len(b2))
+            self.target_t1_size = max(self.target_t1_size - step, 0.0)
+            b2.move_to_end(key)
+
+    def on_store_miss(self, keys: Sequence[bytes], ctx: ReqContext) -> None:
+        """vLLM's rule (``kv_offload/cpu/policies/arc.py``): each ghost among the keys, walked in
+        reverse, adapts ``p`` as in ``touch``, before ``insert`` drops it."""
+        if self._b1 or self._b2:
+            for key in reversed(keys):
+                self._ghost_hit(key)
 
     def on_request_finished(
         self,

@@ -102,6 +102,12 @@ class CachePolicy(ABC):
         :func:`kvcascade.hints.admits_new_blocks`). Default: always."""
         return True
 
+    def on_store_miss(self, keys: Sequence[bytes], ctx: ReqContext) -> None:  # noqa: B027
+        """Hook: ``keys`` (absent, about to be inserted) were offered to ``prepare_store`` by
+        ``ctx``'s request, each key once per request (vLLM's ``CachePolicy.on_store_miss``,
+        ``kv_offload/cpu/policies/base.py``). Default: nothing (vLLM's default touches them; ours
+        get ``touch`` from the fronts). ``arc`` adapts to ghost hits here."""
+
     def on_request_finished(  # noqa: B027 - optional hook
         self,
         key_groups: Sequence[Sequence[bytes]],

@@ -46,8 +46,7 @@ class LRUCachePolicy(CachePolicy):
         blocks = self._blocks
         move = blocks.move_to_end
         for key in reversed(as_sequence(keys)):
-            block = blocks.get(key)
-            if block is not None and block.ref_cnt == 0:
+            if key in blocks:
                 move(key)
 
     def on_request_finished(
@@ -86,9 +85,6 @@ class LRUCachePolicy(CachePolicy):
 
     def clear(self) -> None:
         self._blocks.clear()
-
-    def mark_evictable(self, key: bytes) -> None:
-        self._blocks.move_to_end(key)
 
     def keys(self) -> Iterable[bytes]:
         return self._blocks.keys()
