@@ -117,3 +117,46 @@ def test_new_key_after_finish_is_refused_before_any_change() -> None:
         mgr.prepare_store(k(2), ctx)
     assert mgr.get_block(k(2)[0]) is None
     load(mgr, k(0), ctx)  # a key it had presented is fine
+
+
+def _chains(mgr: CPUOffloadingManager, touch: bool) -> list[bytes]:
+    """200 requests extending or starting chains (seeded), on the manager API, each finished;
+    ``touch``: also touch every request's keys as the fronts do. Returns the evicted keys."""
+    import random
+
+    rng = random.Random(0)
+    chains: list[int] = []
+    evicted: list[bytes] = []
+    for i in range(200):
+        if chains and rng.random() < 0.6:
+            c = rng.randrange(len(chains))
+            chains[c] += rng.randint(1, 4)
+        else:
+            chains.append(rng.randint(2, 8))
+            c = len(chains) - 1
+        keys = [make_offload_key(b"c%d-%d" % (c, j), 0) for j in range(chains[c])]
+        ctx = ReqContext(f"r{i}")
+        run = 0
+        while run < len(keys) and mgr.lookup(keys[run], ctx).name == "HIT":
+            run += 1
+        if touch:
+            mgr.touch(keys, ctx)
+        if run:
+            load(mgr, keys[:run], ctx)
+        out = mgr.prepare_store(keys[run:], ctx)
+        if out is not None:
+            evicted += out.evicted_keys
+            mgr.complete_store(out.keys_to_store, ctx)
+        mgr.on_request_finished(ctx)
+    return evicted
+
+
+@pytest.mark.parametrize("touch", [True, False])
+def test_adaptive_lru_mode_evicts_as_lru(touch: bool) -> None:
+    """docs/policies.md: ``adaptive`` in LRU mode ranks exactly as ``lru`` — with the fronts'
+    ``touch`` or with the request-finish ranking alone."""
+    lru = _chains(CPUOffloadingManager(60, "lru"), touch)
+    adaptive_mgr = CPUOffloadingManager(60, "adaptive")
+    adaptive = _chains(adaptive_mgr, touch)
+    assert adaptive_mgr.policy.lru_mode and len(lru) > 1000
+    assert adaptive == lru
