@@ -1,7 +1,5 @@
-"""Adaptive replacement (ARC) with vLLM's batch rules and a fallback vLLM lacks.
-
-vLLM's ARC: ``vllm/v1/kv_offload/cpu/policies/arc.py``; the fallback: docs/cpu-tier.md.
-"""
+"""Adaptive replacement (ARC) with vLLM 0.32's rules (``vllm/v1/kv_offload/cpu/policies/arc.py``;
+docs/cpu-tier.md)."""
 
 from __future__ import annotations
 
@@ -14,7 +12,7 @@ from .base import BlockStatus, CachePolicy, as_sequence
 
 
 class ARCCachePolicy(CachePolicy):
-    """ARC over the primary tier's blocks; vLLM's ARC contract except for one fallback.
+    """ARC over the primary tier's blocks; vLLM 0.32's ARC.
 
     State (capacity ``c = cache_capacity``):
 
@@ -30,8 +28,10 @@ class ARCCachePolicy(CachePolicy):
     end when ready, or to the ``t1`` recent end while its write is still in flight; a ``t2``
     block moves to the ``t2`` recent end; a ``b1`` ghost raises ``p`` by ``max(1, |b2|/|b1|)``
     and a ``b2`` ghost lowers it by ``max(1, |b1|/|b2|)`` (clamped to ``[0, c]``), each ghost
-    moving to its list's recent end. ``mark_evictable`` / ``mark_non_evictable`` are no-ops:
-    eviction reads ``ref_cnt`` directly, so finishing a load does not change recency.
+    moving to its list's recent end; ``on_store_miss`` applies the same ghost rule to a request's
+    store misses. ``on_request_finished``: see the method. ``mark_evictable`` /
+    ``mark_non_evictable`` are no-ops: eviction reads ``ref_cnt`` directly, so finishing a load
+    does not change recency.
 
     ``evict(n, protected)`` is one pass over ``t1`` and one over ``t2`` for the whole batch
     (forward-only iterators, never restarted), with a virtual ``|t1|`` that drops by one per
@@ -40,11 +40,9 @@ class ARCCachePolicy(CachePolicy):
     the next such ``t2`` block. Victims then move to the recent end of ``b1`` / ``b2`` in pick
     order, and each ghost list is trimmed to ``c``.
 
-    Divergence from vLLM's ``kv_offload/cpu/policies/arc.py`` (docs/cpu-tier.md): when ``|t1| <
-    int(p)`` and ``t2`` has no eligible block left, vLLM fails the whole eviction although ``t1``
-    still holds evictable blocks. Here the pick then falls back to ``t1`` (continuing the same
-    forward iterator), so ``evict`` returns None only when fewer than ``n`` unpinned, ready,
-    unprotected blocks exist in total. Whenever vLLM's ARC succeeds, the picks are identical.
+    Fallback (vLLM 0.32's too; earlier vLLM failed the eviction): when ``|t1| < int(p)`` and
+    ``t2`` has no eligible block left, the pick continues the same ``t1`` iterator, so ``evict``
+    returns None only when fewer than ``n`` unpinned, ready, unprotected blocks exist in total.
 
     Memory: one ordered-dict entry per tracked block (about 100 B) plus, per ghost, one entry
     and the key it keeps alive; ghosts are at most ``2c``.
@@ -179,7 +177,7 @@ class ARCCachePolicy(CachePolicy):
                 if pick is not None:
                     from_t1.append(False)
                 else:
-                    # Our fallback (see class docstring); a no-op if t1 was already exhausted.
+                    # The fallback (class docstring); a no-op if t1 was already exhausted.
                     pick = _next_eligible(it1, protected)
                     if pick is None:
                         return None
