@@ -98,9 +98,12 @@ class _RequestCacheAccess:
             self.reused.update(reused if not inserted else [k for k in reused if k not in inserted])
 
 
-def _key_groups(keys: Iterable[bytes]) -> tuple[tuple[bytes, ...], ...]:
-    """``keys`` split by KV-cache group (the 4-byte big-endian suffix of :mod:`kvcascade._keys`),
-    groups in increasing index, each in the order given."""
+def _key_groups(keys: Collection[bytes]) -> tuple[tuple[bytes, ...], ...]:
+    """``keys`` (not empty) split by KV-cache group (the 4-byte big-endian suffix of
+    :mod:`kvcascade._keys`), groups in increasing index, each in the order given."""
+    suffix = next(iter(keys))[-4:]
+    if all(key.endswith(suffix) for key in keys):  # one group: the common case
+        return (tuple(keys),)
     groups: dict[bytes, list[bytes]] = {}
     for key in keys:
         suffix = key[-4:]
