@@ -251,20 +251,6 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
                 self._switch(True)
         return request
 
-    def on_request_finished(
-        self,
-        key_groups: Sequence[Sequence[bytes]],
-        insertion_only_keys: set[bytes],
-        reused_keys: set[bytes],
-        ctx: ReqContext,
-    ) -> None:
-        """In LRU mode, what ``lru`` does when a request finishes: its keys, groups one after the
-        other, become the most recent with the head first — a :meth:`touch` of them (same
-        evictions as ``lru`` whether or not the front touched before). Turn-aware mode: nothing
-        (its order comes from ``touch``)."""
-        if self.lru_mode:
-            self.touch([key for group in key_groups for key in group], ctx)
-
     def _switch(self, lru_mode: bool) -> None:
         self.lru_mode = lru_mode
         self.switches += 1
