@@ -79,20 +79,8 @@ class _RequestCacheAccess:
 
     def record(self, keys: Iterable[bytes], reused: Collection[bytes] = ()) -> None:
         """Add ``keys`` to ``seen`` (first sight keeps its place) and ``reused`` minus
-        ``inserted`` to ``reused``.
-
-        Raises:
-            RuntimeError: a new key after ``on_request_finished`` (as vLLM's assertion).
-        """
-        seen = self.seen
-        if self.finished:
-            new = [key for key in keys if key not in seen]
-            if new:
-                raise RuntimeError(
-                    f"new cache keys after the request finished: {new[0]!r} and {len(new) - 1} more"
-                )
-        else:
-            seen.update(dict.fromkeys(keys))
+        ``inserted`` to ``reused``."""
+        self.seen.update(dict.fromkeys(keys))
         if reused:
             inserted = self.inserted
             self.reused.update(reused if not inserted else [k for k in reused if k not in inserted])
@@ -246,9 +234,16 @@ class CPUOffloadingManager:
 
     # -- per-request access (vLLM's _RequestCacheAccess) ----------------------------------
     def _access(self, ctx: ReqContext) -> _RequestCacheAccess:
-        """``ctx``'s access record for this manager and generation, started if there is none."""
+        """``ctx``'s open access record for this manager and generation; a new one if there is
+        none or it was finished (a context used again after its request finished starts over,
+        where vLLM asserts)."""
         state = ctx.get_state(_RequestCacheAccess)
-        if state is None or state.owner is not self or state.generation != self._generation:
+        if (
+            state is None
+            or state.owner is not self
+            or state.generation != self._generation
+            or state.finished
+        ):
             state = _RequestCacheAccess(self, self._generation)
             ctx.set_state(state)
         return state
@@ -265,8 +260,6 @@ class CPUOffloadingManager:
 
         Raises:
             KeyError: a key is absent or not ready (the caller must have seen ``HIT`` this step).
-            RuntimeError: a key ``ctx``'s request never presented, after its
-                ``on_request_finished``.
         """
         return self._pin(keys, self._access(ctx) if ctx is not None else None)
 
