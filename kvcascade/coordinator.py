@@ -237,7 +237,7 @@ class TieringCoordinator:
         fresh = [k for k in dict.fromkeys(keys) if k not in state.lookup_pins]
         fresh = [k for k in fresh if (b := self.primary.get_block(k)) is not None and b.is_ready]
         if fresh:
-            self.primary.prepare_load(fresh, ctx)
+            self.primary.prepare_read(fresh, ctx)
             state.lookup_pins.update(dict.fromkeys(fresh))
 
     def _abandon(self, job: TransferJob, label: str) -> None:
@@ -290,7 +290,7 @@ class TieringCoordinator:
             metrics.series(metrics.block_hits, "0:primary").inc()
             state = self._state(ctx)
             if key not in state.lookup_pins:
-                self.primary.prepare_load([key], ctx)
+                self.primary.prepare_read([key], ctx)
                 state.lookup_pins[key] = None
             return _HIT
         if result is _PENDING:
@@ -414,7 +414,9 @@ class TieringCoordinator:
 
     # -- loads ---------------------------------------------------------------------------
     def prepare_load(self, keys: Collection[bytes], ctx: ReqContext) -> CPULoadStoreSpec:
-        """Pin ``keys`` for a primary→GPU copy; their slots in order.
+        """Pin ``keys`` for a primary→GPU copy; their slots in order. The keys count as the
+        request's reads (:meth:`CPUOffloadingManager.prepare_load`), pinned by its ``lookup`` or
+        not.
 
         A pin taken by this request's ``lookup`` is taken over, not doubled.
 
@@ -430,15 +432,14 @@ class TieringCoordinator:
         ]
         if missing:
             raise BlockUnavailableError(missing)
-        fresh = []  # one pin per use: a key given twice takes the lookup's pin over once
-        for key in keys:
-            if key in pins:
-                del pins[key]
-            else:
-                fresh.append(key)
-        if fresh:
-            self.primary.prepare_load(fresh, ctx)
-        return CPULoadStoreSpec([self.primary.get_block(k).block_id for k in keys])  # type: ignore[union-attr]
+        spec = self.primary.prepare_load(keys, ctx)
+        # One pin per use: a key given twice takes the lookup's pin over once.
+        taken = [key for key in dict.fromkeys(keys) if key in pins]
+        for key in taken:
+            del pins[key]
+        if taken:
+            self.primary.complete_load(taken, ctx)
+        return spec
 
     def complete_load(self, keys: Collection[bytes], ctx: ReqContext) -> None:
         """Unpin ``keys`` after the primary→GPU copy."""
@@ -575,7 +576,7 @@ class TieringCoordinator:
         keys = list(keys)
         if not self.admission.admit(tier_idx, len(keys)):
             return None
-        spec = self.primary.prepare_load(keys, ctx)
+        spec = self.primary.prepare_read(keys, ctx)
         job = TransferJob(self._next_job_id(), keys, spec.block_ids, False, ctx)
         return self._submit(tier_idx, job)
 

@@ -482,13 +482,14 @@ async def test_a_prefix_key_evicted_by_its_own_promotions_is_found_in_the_second
         block_bytes=64, gpu_blocks=8, cpu_blocks=3, secondary_tiers=[{"type": "memory"}]
     )
     async with kc.open_cascade(config) as cascade:
-        ctx = kc.ReqContext("w")
         keys = [key(i) for i in range(5)]
         cascade.device.kv[:5] = torch.arange(5, dtype=torch.int8)[:, None]  # block i: byte i
-        for i in range(5):
+        for i in range(5):  # one writer each: key 2 is the least recent (no deepest-first)
+            ctx = kc.ReqContext(f"w{i}")
             await cascade.store([keys[i]], ctx, [i])
             await cascade.wait_cascades()
-        cascade.finish_request(ctx)  # primary holds keys 2, 3, 4; memory holds all five
+            cascade.finish_request(ctx)
+        # primary holds keys 2, 3, 4; memory holds all five
         reader = kc.ReqContext("r")
         cascade.device.kv.zero_()
         found = await cascade.lookup_prefix(keys, reader)

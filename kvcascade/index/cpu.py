@@ -9,7 +9,7 @@ the slots it hands out are rows of the primary tier's host buffer (:mod:`kvcasca
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,6 +51,56 @@ def _cpu_spec(slots: list[int]) -> CPULoadStoreSpec:
     spec = CPULoadStoreSpec.__new__(CPULoadStoreSpec)
     spec.block_ids = np.array(slots, dtype=np.int64)
     return spec
+
+
+class _RequestCacheAccess:
+    """The keys one request presented to one manager (vLLM's ``_RequestCacheAccess`` in
+    ``kv_offload/cpu/manager.py``), kept on its :class:`ReqContext` until its
+    ``on_request_finished``.
+
+    ``seen``: every key the request stored, offered while readable, or loaded, in first-seen
+    order (a dict used as an ordered set; grouped per KV-cache group at finish). ``inserted``:
+    keys this request's ``prepare_store`` allocated. ``reused``: ready keys it loaded or offered
+    again that it did not insert itself. ``store_misses``: absent keys it offered, already shown
+    to the policy's ``on_store_miss``. ``generation``: the manager's ``reset_cache`` count
+    when recorded (a state from before a reset is ignored and started over).
+    """
+
+    __slots__ = ("finished", "generation", "inserted", "owner", "reused", "seen", "store_misses")
+
+    def __init__(self, owner: object, generation: int) -> None:
+        self.owner = owner
+        self.generation = generation
+        self.seen: dict[bytes, None] = {}
+        self.inserted: set[bytes] = set()
+        self.reused: set[bytes] = set()
+        self.store_misses: set[bytes] = set()
+        self.finished = False
+
+    def record(self, keys: Iterable[bytes], reused: Collection[bytes] = ()) -> None:
+        """Add ``keys`` to ``seen`` (first sight keeps its place) and ``reused`` minus
+        ``inserted`` to ``reused``."""
+        self.seen.update(dict.fromkeys(keys))
+        if reused:
+            inserted = self.inserted
+            self.reused.update(reused if not inserted else [k for k in reused if k not in inserted])
+
+
+def _key_groups(keys: Collection[bytes]) -> tuple[tuple[bytes, ...], ...]:
+    """``keys`` (not empty) split by KV-cache group (the 4-byte big-endian suffix of
+    :mod:`kvcascade._keys`), groups in increasing index, each in the order given."""
+    suffix = next(iter(keys))[-4:]
+    if all(key.endswith(suffix) for key in keys):  # one group: the common case
+        return (tuple(keys),)
+    groups: dict[bytes, list[bytes]] = {}
+    for key in keys:
+        suffix = key[-4:]
+        group = groups.get(suffix)
+        if group is None:
+            groups[suffix] = [key]
+        else:
+            group.append(key)
+    return tuple(tuple(groups[g]) for g in sorted(groups))
 
 
 @dataclass
@@ -128,6 +178,9 @@ class CPUOffloadingManager:
             cache_capacity=num_blocks
         )
         self._get = self._policy.get
+        # Only policies that override the hook pay for the per-request miss set.
+        overridden = type(self._policy).on_store_miss is not CachePolicy.on_store_miss
+        self._on_store_miss = self._policy.on_store_miss if overridden else None
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         # One BlockStatus per slot, made up front so the hot path allocates no tracked objects
         # (fewer garbage-collector passes); never-used slots are taken in increasing order.
@@ -138,6 +191,7 @@ class CPUOffloadingManager:
         self.num_evictable = 0
         self.num_write_pending = 0
         self.total_evictions = 0
+        self._generation = 0  # reset_cache count: request states of older generations are void
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -178,22 +232,58 @@ class CPUOffloadingManager:
         self._hits += 1
         return _HIT
 
+    # -- per-request access (vLLM's _RequestCacheAccess) ----------------------------------
+    def _access(self, ctx: ReqContext) -> _RequestCacheAccess:
+        """``ctx``'s open access record for this manager and generation; a new one if there is
+        none or it was finished (a context used again after its request finished starts over,
+        where vLLM asserts)."""
+        state = ctx.get_state(_RequestCacheAccess)
+        if (
+            state is None
+            or state.owner is not self
+            or state.generation != self._generation
+            or state.finished
+        ):
+            state = _RequestCacheAccess(self, self._generation)
+            ctx.set_state(state)
+        return state
+
     # -- loads -----------------------------------------------------------------------------
     def prepare_load(
         self, keys: Collection[bytes], ctx: ReqContext | None = None
     ) -> CPULoadStoreSpec:
-        """Pin every key (ref count +1) and return their slots, co-indexed with ``keys``.
+        """Pin every key (ref count +1) and return their slots, co-indexed with ``keys``; with a
+        ``ctx``, the keys count as reused by its request (see :meth:`on_request_finished`).
 
-        Duplicates are allowed (each pins once more). Atomic: nothing is pinned on error.
+        Duplicates are allowed (each pins once more). Atomic: nothing is pinned or recorded on
+        error.
 
         Raises:
             KeyError: a key is absent or not ready (the caller must have seen ``HIT`` this step).
         """
+        return self._pin(keys, self._access(ctx) if ctx is not None else None)
+
+    def prepare_read(
+        self, keys: Collection[bytes], ctx: ReqContext | None = None
+    ) -> CPULoadStoreSpec:
+        """:meth:`prepare_load` without the access record: pins for transfers that are not the
+        request's own reads (cascades to secondary tiers, pins held for a reader) — vLLM's
+        ``TieringPrimaryManager.prepare_read`` in ``kv_offload/tiering/manager.py``.
+
+        Raises:
+            KeyError: as :meth:`prepare_load`.
+        """
+        return self._pin(keys, None)
+
+    def _pin(self, keys: Collection[bytes], access: _RequestCacheAccess | None) -> CPULoadStoreSpec:
+        """Check, record in ``access`` (if any), then pin ``keys``; see :meth:`prepare_load`."""
         get = self._get
         blocks = [get(key) for key in keys]
         for key, block in zip(keys, blocks):
             if block is None or not block.is_ready:
                 raise KeyError(f"prepare_load of a key that is not readable: {key!r}")
+        if access is not None:
+            access.record(keys, keys)
         mark = self._policy.mark_non_evictable
         for key, block in zip(keys, blocks):
             if block.ref_cnt == 0:  # type: ignore[union-attr]
@@ -240,9 +330,32 @@ class CPUOffloadingManager:
         """
         get = self._get
         to_store = []
+        ready: list[bytes] = []
+        pending = 0
         for key in keys:
-            if get(key) is None:
+            block = get(key)
+            if block is None:
                 to_store.append(key)
+            elif block.ref_cnt >= 0:
+                ready.append(key)
+            else:
+                pending += 1
+        access = self._access(ctx) if ctx is not None else None
+        if access is not None:
+            if to_store and self._on_store_miss is not None:
+                # Once per key and request, before insert() drops a ghost (vLLM's order).
+                seen_misses = access.store_misses
+                misses = [key for key in to_store if key not in seen_misses]
+                if misses:
+                    self._on_store_miss(misses, ctx)
+                    seen_misses.update(misses)
+            # Before any early return, as vLLM's; keys another writer is still writing are not
+            # the request's (yet).
+            if pending:
+                new_or_ready = set(to_store).union(ready)
+                access.record([k for k in keys if k in new_or_ready], ready)
+            else:
+                access.record(keys, ready)
         n = len(to_store)
         if not n:
             return PrepareStoreOutput(to_store, _cpu_spec(to_store), [])
@@ -278,6 +391,8 @@ class CPUOffloadingManager:
         for key, block in zip(to_store, blocks):
             insert(key, block)
         self.num_write_pending += n
+        if access is not None:
+            access.inserted.update(to_store)
         return PrepareStoreOutput(
             to_store, _cpu_spec([block.block_id for block in blocks]), evicted_keys
         )
@@ -379,7 +494,29 @@ class CPUOffloadingManager:
         return RequestOffloadingContext()
 
     def on_request_finished(self, ctx: ReqContext) -> None:
-        """No per-request state is kept by the primary tier."""
+        """Hand the request's accesses to the policy, once: :meth:`CachePolicy.on_request_finished`
+        with the keys it presented per KV-cache group (groups by index, keys in first-seen
+        order), the keys it only inserted and the ready keys it reused (vLLM's
+        ``CPUOffloadingManager.on_request_finished``, ``kv_offload/cpu/manager.py``).
+
+        A second call, a request this manager never saw, or one seen only before the last
+        :meth:`reset_cache` does nothing. vLLM sorts each group by the keys' token positions
+        (``ReqContext.get_offload_key_position``); our contexts carry none, so first-seen
+        order stands (the same whenever a request presents its keys head first).
+        """
+        state = ctx.get_state(_RequestCacheAccess)
+        if (
+            state is None
+            or state.owner is not self
+            or state.generation != self._generation
+            or state.finished
+        ):
+            return
+        state.finished = True
+        if state.seen:
+            self._policy.on_request_finished(
+                _key_groups(state.seen), state.inserted - state.reused, state.reused, ctx
+            )
 
     def take_events(self) -> Iterator[OffloadingEvent]:
         """Drain the queued events in order (nothing when events are disabled)."""
@@ -418,6 +555,7 @@ class CPUOffloadingManager:
         with none, slots are handed out from 0 again.
         """
         self._policy.clear()
+        self._generation += 1
         self._free_list.clear()
         self._high_water = 0
         self.num_evictable = 0

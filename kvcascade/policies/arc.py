@@ -1,12 +1,10 @@
-"""Adaptive replacement (ARC) with vLLM's batch rules and a fallback vLLM lacks.
-
-vLLM's ARC: ``vllm/v1/kv_offload/cpu/policies/arc.py``; the fallback: docs/cpu-tier.md.
-"""
+"""Adaptive replacement (ARC) with vLLM 0.32's rules (``vllm/v1/kv_offload/cpu/policies/arc.py``;
+docs/cpu-tier.md)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, KeysView
+from collections.abc import Collection, Iterable, KeysView, Sequence
 from itertools import chain
 
 from .._types import ReqContext
@@ -14,7 +12,7 @@ from .base import BlockStatus, CachePolicy, as_sequence
 
 
 class ARCCachePolicy(CachePolicy):
-    """ARC over the primary tier's blocks; vLLM's ARC contract except for one fallback.
+    """ARC over the primary tier's blocks; vLLM 0.32's ARC.
 
     State (capacity ``c = cache_capacity``):
 
@@ -30,8 +28,10 @@ class ARCCachePolicy(CachePolicy):
     end when ready, or to the ``t1`` recent end while its write is still in flight; a ``t2``
     block moves to the ``t2`` recent end; a ``b1`` ghost raises ``p`` by ``max(1, |b2|/|b1|)``
     and a ``b2`` ghost lowers it by ``max(1, |b1|/|b2|)`` (clamped to ``[0, c]``), each ghost
-    moving to its list's recent end. ``mark_evictable`` / ``mark_non_evictable`` are no-ops:
-    eviction reads ``ref_cnt`` directly, so finishing a load does not change recency.
+    moving to its list's recent end; ``on_store_miss`` applies the same ghost rule to a request's
+    store misses. ``on_request_finished``: see the method. ``mark_evictable`` /
+    ``mark_non_evictable`` are no-ops: eviction reads ``ref_cnt`` directly, so finishing a load
+    does not change recency.
 
     ``evict(n, protected)`` is one pass over ``t1`` and one over ``t2`` for the whole batch
     (forward-only iterators, never restarted), with a virtual ``|t1|`` that drops by one per
@@ -40,11 +40,9 @@ class ARCCachePolicy(CachePolicy):
     the next such ``t2`` block. Victims then move to the recent end of ``b1`` / ``b2`` in pick
     order, and each ghost list is trimmed to ``c``.
 
-    Divergence from vLLM's ``kv_offload/cpu/policies/arc.py`` (docs/cpu-tier.md): when ``|t1| <
-    int(p)`` and ``t2`` has no eligible block left, vLLM fails the whole eviction although ``t1``
-    still holds evictable blocks. Here the pick then falls back to ``t1`` (continuing the same
-    forward iterator), so ``evict`` returns None only when fewer than ``n`` unpinned, ready,
-    unprotected blocks exist in total. Whenever vLLM's ARC succeeds, the picks are identical.
+    Fallback (vLLM 0.32's too; earlier vLLM failed the eviction): when ``|t1| < int(p)`` and
+    ``t2`` has no eligible block left, the pick continues the same ``t1`` iterator, so ``evict``
+    returns None only when fewer than ``n`` unpinned, ready, unprotected blocks exist in total.
 
     Memory: one ordered-dict entry per tracked block (about 100 B) plus, per ghost, one entry
     and the key it keeps alive; ghosts are at most ``2c``.
@@ -96,8 +94,7 @@ class ARCCachePolicy(CachePolicy):
             del self._t2[key]
 
     def touch(self, keys: Collection[bytes], ctx: ReqContext | None = None) -> None:
-        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
-        capacity = self.cache_capacity
+        t1, t2 = self._t1, self._t2
         for key in reversed(as_sequence(keys)):
             block = t1.get(key)
             if block is not None:
@@ -108,14 +105,55 @@ class ARCCachePolicy(CachePolicy):
                     t2[key] = block
             elif key in t2:
                 t2.move_to_end(key)
-            elif key in b1:
-                step = max(1.0, len(b2) / len(b1))
-                self.target_t1_size = min(self.target_t1_size + step, capacity)
-                b1.move_to_end(key)
-            elif key in b2:
-                step = max(1.0, len(b1) / len(b2))
-                self.target_t1_size = max(self.target_t1_size - step, 0.0)
-                b2.move_to_end(key)
+            else:
+                self._ghost_hit(key)
+
+    def _ghost_hit(self, key: bytes) -> None:
+        """A ``b1`` ghost raises ``p`` by ``max(1, |b2|/|b1|)``, a ``b2`` ghost lowers it by
+        ``max(1, |b1|/|b2|)`` (clamped to ``[0, c]``); the ghost moves to its list's recent end."""
+        b1, b2 = self._b1, self._b2
+        if key in b1:
+            step = max(1.0, len(b2) / len(b1))
+            self.target_t1_size = min(self.target_t1_size + step, self.cache_capacity)
+            b1.move_to_end(key)
+        elif key in b2:
+            step = max(1.0, len(b1) / len(b2))
+            self.target_t1_size = max(self.target_t1_size - step, 0.0)
+            b2.move_to_end(key)
+
+    def on_store_miss(self, keys: Sequence[bytes], ctx: ReqContext) -> None:
+        """vLLM's rule (``kv_offload/cpu/policies/arc.py``): each ghost among the keys, walked in
+        reverse, adapts ``p`` as in ``touch``, before ``insert`` drops it."""
+        if self._b1 or self._b2:
+            for key in reversed(keys):
+                self._ghost_hit(key)
+
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[bytes]],
+        insertion_only_keys: set[bytes],
+        reused_keys: set[bytes],
+        ctx: ReqContext,
+    ) -> None:
+        """vLLM's rule (``kv_offload/cpu/policies/arc.py``), walking the request's keys tail to
+        head (groups one after the other): a key it only inserted moves to the recent end of the
+        list it is in (a store is no frequency hit: ``t1`` stays ``t1``); a key it reused counts
+        as one access (``t1`` → ``t2`` recent end, or ``t2`` recent end); other keys (written by
+        another request while this one saw them) do not move."""
+        t1, t2 = self._t1, self._t2
+        for group in reversed(key_groups):
+            for key in reversed(group):
+                if key in insertion_only_keys:
+                    if key in t1:
+                        t1.move_to_end(key)
+                    elif key in t2:
+                        t2.move_to_end(key)
+                elif key in reused_keys:
+                    block = t1.pop(key, None)
+                    if block is not None:
+                        t2[key] = block
+                    elif key in t2:
+                        t2.move_to_end(key)
 
     def evict(self, n: int, protected: Collection[bytes]) -> list[tuple[bytes, BlockStatus]] | None:
         if n <= 0:
@@ -139,7 +177,7 @@ class ARCCachePolicy(CachePolicy):
                 if pick is not None:
                     from_t1.append(False)
                 else:
-                    # Our fallback (see class docstring); a no-op if t1 was already exhausted.
+                    # The fallback (class docstring); a no-op if t1 was already exhausted.
                     pick = _next_eligible(it1, protected)
                     if pick is None:
                         return None

@@ -102,6 +102,35 @@ class CachePolicy(ABC):
         :func:`kvcascade.hints.admits_new_blocks`). Default: always."""
         return True
 
+    def on_store_miss(self, keys: Sequence[bytes], ctx: ReqContext) -> None:  # noqa: B027
+        """Hook: ``keys`` (absent, about to be inserted) were offered to ``prepare_store`` by
+        ``ctx``'s request, each key once per request (vLLM's ``CachePolicy.on_store_miss``,
+        ``kv_offload/cpu/policies/base.py``). Default: nothing (vLLM's default touches them; ours
+        get ``touch`` from the fronts). ``arc`` adapts to ghost hits here."""
+
+    def on_request_finished(  # noqa: B027 - optional hook
+        self,
+        key_groups: Sequence[Sequence[bytes]],
+        insertion_only_keys: set[bytes],
+        reused_keys: set[bytes],
+        ctx: ReqContext,
+    ) -> None:
+        """Hook: one request's accesses, once, when it finished (vLLM's
+        ``CachePolicy.on_request_finished``, ``kv_offload/cpu/policies/base.py``; called by
+        :meth:`kvcascade.CPUOffloadingManager.on_request_finished`).
+
+        Args:
+            key_groups: per KV-cache group (increasing group index), the keys the request
+                stored, offered while ready, or loaded, head to tail; some may have been evicted
+                since (policies skip untracked keys).
+            insertion_only_keys: keys this request's stores allocated and it did not reuse.
+            reused_keys: ready keys it loaded or offered again, not inserted by itself.
+            ctx: the request's context.
+
+        Default: nothing (vLLM's default touches each group instead; ours already get
+        ``touch`` from the fronts). ``lru`` and ``arc`` implement vLLM's rules.
+        """
+
     def mark_evictable(self, key: bytes) -> None:  # noqa: B027 - optional hook
         """Hook: the block's ``ref_cnt`` became 0."""
 

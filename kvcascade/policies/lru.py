@@ -3,30 +3,31 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 
 from .._types import ReqContext
 from .base import BlockStatus, CachePolicy, as_sequence
 
 
 class LRUCachePolicy(CachePolicy):
-    """LRU over the evictable (``ref_cnt == 0``) blocks; same eviction order as vLLM's policy.
+    """LRU over the evictable (``ref_cnt == 0``) blocks; same eviction order as vLLM 0.32's policy
+    (recency independent of transfer pinning).
 
-    * ``mark_evictable`` moves the block to the most-recent end, so completing a store or the
-      last load counts as a use.
-    * ``touch(keys)`` walks ``keys`` in reverse and moves each evictable one to the most-recent
-      end: after ``touch([a, b, c])`` the order ends ``…, c, b, a`` (prefix heads outlive tails).
-      Pinned and not-ready blocks do not move.
+    * ``insert`` (``prepare_store``) makes a key the most recent; completing its store or its
+      last load does not move it (vLLM ranks a key at insert, re-ranks it only on a use).
+    * ``touch(keys)`` walks ``keys`` in reverse and moves each tracked one — pinned and not-ready
+      ones too — to the most-recent end: after ``touch([a, b, c])`` the order ends
+      ``…, c, b, a`` (prefix heads outlive tails).
+    * ``on_request_finished`` does the same for every key the request presented
+      (:meth:`CachePolicy.on_request_finished`): its deepest block is evicted first.
     * ``evict(n, protected)`` scans from the least-recent end, skipping protected keys and blocks
       whose ``ref_cnt != 0``.
 
     Representation (differs from vLLM, same observable order): one ``OrderedDict`` holds every
-    tracked block in recency order. vLLM keeps a map plus a separate list of the evictable
-    blocks; since a block only becomes evictable through ``mark_evictable`` (a move to the
-    recent end) and ``touch`` only moves evictable blocks, the evictable blocks appear in the
-    same relative order in both. A pinned block keeps its place and is skipped by ``evict``, so an
-    eviction costs O(n + pinned blocks older than the victims). Memory: one ordered-dict entry
-    (about 100 B) per tracked block.
+    tracked block in rank order, where vLLM keeps ranks and a lazy min-heap of the evictable
+    keys; the evictable keys come out in increasing rank in both. A pinned block keeps its place
+    and is skipped by ``evict``, so an eviction costs O(n + pinned blocks older than the
+    victims). Memory: one ordered-dict entry (about 100 B) per tracked block.
     """
 
     def __init__(self, cache_capacity: int) -> None:
@@ -46,9 +47,26 @@ class LRUCachePolicy(CachePolicy):
         blocks = self._blocks
         move = blocks.move_to_end
         for key in reversed(as_sequence(keys)):
-            block = blocks.get(key)
-            if block is not None and block.ref_cnt == 0:
+            if key in blocks:
                 move(key)
+
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[bytes]],
+        insertion_only_keys: set[bytes],
+        reused_keys: set[bytes],
+        ctx: ReqContext,
+    ) -> None:
+        """vLLM's rule (``kv_offload/cpu/policies/lru.py``): the request's keys, groups one
+        after the other, become the most recent, tail to head — its head block most recent, its
+        deepest block the least recent of them (evicted first). Pinned and not-ready keys move
+        too, as in ``touch``."""
+        blocks = self._blocks
+        move = blocks.move_to_end
+        for group in reversed(key_groups):
+            for key in reversed(group):
+                if key in blocks:
+                    move(key)
 
     def evict(self, n: int, protected: Collection[bytes]) -> list[tuple[bytes, BlockStatus]] | None:
         if n <= 0:
@@ -68,9 +86,6 @@ class LRUCachePolicy(CachePolicy):
 
     def clear(self) -> None:
         self._blocks.clear()
-
-    def mark_evictable(self, key: bytes) -> None:
-        self._blocks.move_to_end(key)
 
     def keys(self) -> Iterable[bytes]:
         return self._blocks.keys()

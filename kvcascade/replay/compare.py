@@ -8,7 +8,8 @@ Cache model (reproduces issue #9's LRU / ARC / OPT columns with the free rules o
 * Each trace request, in arrival order, runs the connector's hook sequence (vLLM
   ``offloading/scheduler.py``): look up its keys in order and stop at the first miss (``h`` leading
   hits); ``touch`` its keys; ``prepare_load`` / ``complete_load`` the ``h`` hits; ``prepare_store``
-  the rest (in pieces of at most ``capacity`` blocks), ``touch`` again, ``complete_store``.
+  the rest (in pieces of at most ``capacity`` blocks), ``touch`` again, ``complete_store``;
+  ``on_request_finished``.
 * Prefix-level hit ratio: the sum of ``h`` over all requests divided by all block instances
   (a cached block counts only if every earlier block of its request hit). Cold start.
 * Capacity: a fraction of the trace's unique blocks, rounded down.
@@ -18,10 +19,10 @@ Free rules (``free_rules=True``, the default here; issue #9 item 1):
 1. A prompt's last block is not stored when it is partial (``input_length`` not a multiple of
    512 tokens): a real engine has no key for it, so it is neither stored nor touched.
 2. Deepest-first eviction within a request's chain: after a request's transfers complete it is
-   touched once more, so completion hooks (which mark blocks evictable head first) do not
-   leave the chain's head as the least recent block. With LRU this makes every parent more
-   recent than its children; the turn-aware policy additionally passes over blocks that have a
-   resident child.
+   touched once more, so the chain's head is its most recent block. For LRU the manager's
+   ``on_request_finished`` (called after every request, free rules or not) already does this;
+   for ARC the touch also promotes the request's ready T1 blocks to T2 (docs/policies.md); the
+   turn-aware policy additionally passes over blocks that have a resident child.
 
 ``kvcascade replay`` without ``--compare-policies`` keeps issue #2's byte-exact contract (every
 listed block is complete and stored); the free rules are options of this mode only.
@@ -166,6 +167,7 @@ def simulate(
             manager.complete_store(out.keys_to_store, ctx)
         if free_rules:
             manager.touch(touched, ctx)
+        manager.on_request_finished(ctx)
         if progress is not None:
             progress(1)
     return PolicyRun(policy, capacity, hits, instances, dropped)

@@ -110,3 +110,61 @@ def test_implements_the_vllm_033_interface() -> None:
     assert "supports_sleep_mode" in methods
     assert mismatches(methods) == []
     assert kcv.KVCascadeConnector.supports_sleep_mode(None) is False  # type: ignore[arg-type]
+
+
+def _drive(mgr: Any, make_ctx: Any, hit: Any) -> tuple[list[int], list[bytes]]:
+    """A fixed sequence with eviction and reuse on a 24-block manager, through the manager API
+    alone (as vLLM 0.32's scheduler calls it: no ``touch``): 12 requests of 10 blocks in two KV
+    groups, each extending an earlier one's chain or starting a new one; per request lookup of
+    its prefix, load of the leading hits, store of the rest in pieces of 4, finish.
+
+    Returns (per request, leading hits) and every evicted key in order.
+    """
+    from kvcascade import make_offload_key
+
+    chains = [0, 1, 0, 2, 1, 3, 0, 4, 2, 5, 0, 1]  # which chain each request extends
+    lengths = [3, 4, 5, 3, 6, 4, 7, 3, 5, 4, 9, 8]
+    hits: list[int] = []
+    evicted: list[bytes] = []
+    for i, (chain, n) in enumerate(zip(chains, lengths)):
+        ctx = make_ctx(f"r{i}")
+        mgr.on_new_request(ctx)
+        keys = [make_offload_key(b"c%d-b%d" % (chain, j), g) for j in range(n) for g in (0, 1)]
+        run = 0
+        for key in keys:
+            if mgr.lookup(key, ctx) is not hit:
+                break
+            run += 1
+        hits.append(run)
+        if run:
+            mgr.prepare_load(keys[:run], ctx)
+            mgr.complete_load(keys[:run], ctx)
+        for start in range(run, len(keys), 4):
+            out = mgr.prepare_store(keys[start : start + 4], ctx)
+            if out is not None:
+                evicted.extend(out.evicted_keys)
+                mgr.complete_store(out.keys_to_store, ctx)
+        mgr.on_request_finished(ctx)
+    return hits, evicted
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_primary_manager_evicts_as_vllm_cpu_manager(policy: str) -> None:
+    """Our ``CPUOffloadingManager`` and vLLM 0.32's (``kv_offload/cpu/manager.py``) driven with
+    the same sequence: the same hits and the same evicted keys in the same order (request
+    finish: deepest block least recent; ARC: reuse T1 → T2, insertion stays in T1)."""
+    from vllm.v1.kv_offload.base import LookupResult as VLookupResult
+    from vllm.v1.kv_offload.base import ReqContext as VReqContext
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VManager
+
+    from kvcascade import CPUOffloadingManager, LookupResult, ReqContext
+
+    ours = _drive(CPUOffloadingManager(24, policy), ReqContext, LookupResult.HIT)
+    theirs = _drive(
+        VManager(num_chunks=24, cache_policy=policy),
+        lambda rid: VReqContext(req_id=rid),
+        VLookupResult.HIT,
+    )
+    assert ours[0] == theirs[0]
+    assert sum(ours[0]) > 0 and len(ours[1]) > 24  # reuse and eviction both happened
+    assert ours[1] == theirs[1]

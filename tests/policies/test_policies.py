@@ -179,18 +179,17 @@ class ManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.mgr = CPUOffloadingManager(CAPACITY, self.policy_name, enable_events=True)
         self.ref: dict[bytes, int] = {}  # key → ref count (-1 = not ready)
-        self.evictable: list[bytes] = []  # LRU model (vLLM's two-structure form), oldest first
+        # LRU model (vLLM 0.32's ranks, kv_offload/cpu/policies/lru.py): every tracked key,
+        # lowest rank first; a store ranks a key, a touch re-ranks it, pinned or not.
+        self.order: list[bytes] = []
         self.event_keys: set[bytes] = set()
-
-    def _make_evictable(self, key: bytes) -> None:
-        self.evictable.append(key)
 
     @rule(target=stores, keys=KEYS)
     def prepare_store(self, keys: list[bytes]):
         new = list(dict.fromkeys(key for key in keys if key not in self.ref))
         free = CAPACITY - len(self.ref)
         need = len(new) - free
-        eligible = [key for key in self.evictable if key not in keys]
+        eligible = [key for key in self.order if self.ref[key] == 0 and key not in keys]
         out = self.mgr.prepare_store(keys)
         if need > len(eligible):
             assert out is None  # no candidates: must fail (and, with our ARC, only then)
@@ -202,11 +201,12 @@ class ManagerMachine(RuleBasedStateMachine):
         for key in victims:
             assert self.ref[key] == 0 and key not in keys, "evicted a pinned/protected block"
             del self.ref[key]
-            self.evictable.remove(key)
+            self.order.remove(key)
         if self.policy_name == "lru":
             assert victims == eligible[: len(victims)]
         for key in new:
             self.ref[key] = -1
+            self.order.append(key)
         return out.keys_to_store
 
     @rule(keys=consumes(stores), success=st.booleans())
@@ -217,9 +217,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 continue
             if success:
                 self.ref[key] = 0
-                self._make_evictable(key)
             else:
                 del self.ref[key]
+                self.order.remove(key)
 
     @rule(target=loads, data=st.data())
     def prepare_load(self, data: st.DataObject):
@@ -230,8 +230,6 @@ class ManagerMachine(RuleBasedStateMachine):
         spec = self.mgr.prepare_load(keys)
         assert spec.block_ids.tolist() == [self.mgr.get_block(key).block_id for key in keys]
         for key in keys:
-            if self.ref[key] == 0:
-                self.evictable.remove(key)
             self.ref[key] += 1
         return keys
 
@@ -240,16 +238,14 @@ class ManagerMachine(RuleBasedStateMachine):
         self.mgr.complete_load(keys)
         for key in keys:
             self.ref[key] -= 1
-            if self.ref[key] == 0:
-                self._make_evictable(key)
 
     @rule(keys=KEYS)
     def touch(self, keys: list[bytes]) -> None:
         self.mgr.touch(keys)
         for key in reversed(keys):
-            if key in self.evictable:
-                self.evictable.remove(key)
-                self.evictable.append(key)
+            if key in self.ref:
+                self.order.remove(key)
+                self.order.append(key)
 
     @rule(keys=KEYS)
     def lookup(self, keys: list[bytes]) -> None:

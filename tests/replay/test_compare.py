@@ -70,7 +70,9 @@ def test_opt_hand_made_trace() -> None:
 
 def _plain_lru(trace: list[TraceRequest], capacity: int) -> float:
     """Textbook block-stream LRU: a request's blocks are used in order (the last most recent)
-    after its leading hits are counted; evictions spare the request's own blocks."""
+    after its leading hits are counted; evictions spare the request's own blocks; when it ends
+    its blocks are ranked deepest first (the head most recent), as the manager's
+    ``on_request_finished`` does (vLLM's ``kv_offload/cpu/policies/lru.py``)."""
     cache: OrderedDict[int, None] = OrderedDict()
     hits = instances = 0
     for request in trace:
@@ -85,6 +87,9 @@ def _plain_lru(trace: list[TraceRequest], capacity: int) -> float:
         while len(cache) > capacity:
             victim = next(h for h in cache if h not in mine)
             del cache[victim]
+        for h in reversed(ids):
+            if h in cache:
+                cache.move_to_end(h)
     return hits / instances
 
 
