@@ -237,6 +237,14 @@ class CPUOffloadingManager:
         """``ctx``'s open access record for this manager and generation; a new one if there is
         none or it was finished (a context used again after its request finished starts over,
         where vLLM asserts)."""
+        state = self._open_access(ctx)
+        if state is None:
+            state = _RequestCacheAccess(self, self._generation)
+            ctx.set_state(state)
+        return state
+
+    def _open_access(self, ctx: ReqContext) -> _RequestCacheAccess | None:
+        """``ctx``'s record for this manager and generation if it is not finished, else None."""
         state = ctx.get_state(_RequestCacheAccess)
         if (
             state is None
@@ -244,8 +252,7 @@ class CPUOffloadingManager:
             or state.generation != self._generation
             or state.finished
         ):
-            state = _RequestCacheAccess(self, self._generation)
-            ctx.set_state(state)
+            return None
         return state
 
     # -- loads -----------------------------------------------------------------------------
@@ -504,13 +511,8 @@ class CPUOffloadingManager:
         (``ReqContext.get_offload_key_position``); our contexts carry none, so first-seen
         order stands (the same whenever a request presents its keys head first).
         """
-        state = ctx.get_state(_RequestCacheAccess)
-        if (
-            state is None
-            or state.owner is not self
-            or state.generation != self._generation
-            or state.finished
-        ):
+        state = self._open_access(ctx)
+        if state is None:
             return
         state.finished = True
         if state.seen:

@@ -8,7 +8,7 @@ from collections.abc import Collection, Iterable, KeysView, Sequence
 from itertools import chain
 
 from .._types import ReqContext
-from .base import BlockStatus, CachePolicy, as_sequence
+from .base import BlockStatus, CachePolicy, as_sequence, tail_to_head
 
 
 class ARCCachePolicy(CachePolicy):
@@ -141,19 +141,18 @@ class ARCCachePolicy(CachePolicy):
         as one access (``t1`` → ``t2`` recent end, or ``t2`` recent end); other keys (written by
         another request while this one saw them) do not move."""
         t1, t2 = self._t1, self._t2
-        for group in reversed(key_groups):
-            for key in reversed(group):
-                if key in insertion_only_keys:
-                    if key in t1:
-                        t1.move_to_end(key)
-                    elif key in t2:
-                        t2.move_to_end(key)
-                elif key in reused_keys:
-                    block = t1.pop(key, None)
-                    if block is not None:
-                        t2[key] = block
-                    elif key in t2:
-                        t2.move_to_end(key)
+        for key in tail_to_head(key_groups):
+            if key in insertion_only_keys:
+                if key in t1:
+                    t1.move_to_end(key)
+                elif key in t2:
+                    t2.move_to_end(key)
+            elif key in reused_keys:
+                block = t1.pop(key, None)
+                if block is not None:
+                    t2[key] = block
+                elif key in t2:
+                    t2.move_to_end(key)
 
     def evict(self, n: int, protected: Collection[bytes]) -> list[tuple[bytes, BlockStatus]] | None:
         if n <= 0:

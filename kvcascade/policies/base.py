@@ -7,7 +7,7 @@ It is synchronous, does no I/O, and is driven only by :class:`kvcascade.CPUOfflo
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 
 from .._types import ReqContext
 
@@ -44,6 +44,14 @@ class BlockStatus:
 def as_sequence(keys: Collection[bytes]) -> Sequence[bytes]:
     """``keys`` itself if it is a list or tuple (no copy), else a list of it (for ``reversed``)."""
     return keys if isinstance(keys, list | tuple) else list(keys)
+
+
+def tail_to_head(key_groups: Sequence[Sequence[bytes]]) -> Iterator[bytes]:
+    """A finished request's keys (:meth:`CachePolicy.on_request_finished`), deepest first: the
+    reverse of vLLM's ``order_request_keys`` (``kv_offload/cpu/policies/base.py``), groups one
+    after the other."""
+    for group in reversed(key_groups):
+        yield from reversed(group)
 
 
 class CachePolicy(ABC):

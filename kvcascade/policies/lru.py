@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 
 from .._types import ReqContext
-from .base import BlockStatus, CachePolicy, as_sequence
+from .base import BlockStatus, CachePolicy, as_sequence, tail_to_head
 
 
 class LRUCachePolicy(CachePolicy):
@@ -63,10 +63,9 @@ class LRUCachePolicy(CachePolicy):
         too, as in ``touch``."""
         blocks = self._blocks
         move = blocks.move_to_end
-        for group in reversed(key_groups):
-            for key in reversed(group):
-                if key in blocks:
-                    move(key)
+        for key in tail_to_head(key_groups):
+            if key in blocks:
+                move(key)
 
     def evict(self, n: int, protected: Collection[bytes]) -> list[tuple[bytes, BlockStatus]] | None:
         if n <= 0:
