@@ -286,17 +286,22 @@ def run_job(job_path: str) -> None:
 _JOB = "import sys, test_vllm_e2e; test_vllm_e2e.run_job(sys.argv[1])"
 
 
+def child_pythonpath() -> str:
+    """``PYTHONPATH`` of a child process that imports these test modules: this checkout's
+    ``kvcascade``, this folder, the examples (``write_tiny_llama``), then the caller's."""
+    root = Path(kvcascade.__file__).resolve().parents[1]
+    here = Path(__file__).resolve().parent
+    paths = [str(root), str(here), str(root / "examples"), os.environ.get("PYTHONPATH", "")]
+    return os.pathsep.join(p for p in paths if p)
+
+
 def engine_job(tmp_path: Path, name: str, **job: Any) -> dict[str, Any]:
     """Run :func:`run_job` in a fresh Python process with this checkout's ``kvcascade``; return
     its results and stderr. The process must exit 0."""
     spec = tmp_path / f"{name}.json"
     out = tmp_path / f"{name}.out.json"
     spec.write_text(json.dumps({**job, "out": str(out)}))
-    root = Path(kvcascade.__file__).resolve().parents[1]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(root), str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")]
-    )
+    env = {**os.environ, "PYTHONPATH": child_pythonpath()}
     proc = subprocess.run(
         [sys.executable, "-c", _JOB, str(spec)],
         env=env,
@@ -306,7 +311,10 @@ def engine_job(tmp_path: Path, name: str, **job: Any) -> dict[str, Any]:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
-    assert Path(result["kvcascade"]).resolve().parents[2] == root  # this checkout's package
+    assert (
+        Path(result["kvcascade"]).resolve().parents[2]
+        == Path(kvcascade.__file__).resolve().parents[1]
+    )  # this checkout's package
     return {**result, "stderr": proc.stderr}
 
 

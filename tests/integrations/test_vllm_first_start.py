@@ -20,9 +20,13 @@ import time
 from pathlib import Path
 
 import pytest
-from test_vllm_e2e import PROMPT, generate, make_llm, model_dir  # noqa: F401 (model_dir: fixture)
-
-ROOT = Path(__file__).resolve().parents[2]
+from test_vllm_e2e import (  # noqa: F401 (model_dir: fixture)
+    PROMPT,
+    child_pythonpath,
+    generate,
+    make_llm,
+    model_dir,
+)
 
 pytestmark = pytest.mark.filterwarnings("default")
 
@@ -83,10 +87,7 @@ def test_first_start_with_empty_kernel_cache_serves_repeat_from_cpu_tier(
         **os.environ,
         "KVCASCADE_BUILD_DIR": str(build_dir),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "PYTHONPATH": os.pathsep.join(
-            [str(ROOT), str(Path(__file__).resolve().parent), str(ROOT / "examples")]
-            + [p for p in [os.environ.get("PYTHONPATH")] if p]
-        ),
+        "PYTHONPATH": child_pythonpath(),
     }
     code = f"from test_vllm_first_start import _first_start; _first_start({str(model_dir)!r})"
     proc = subprocess.run(
