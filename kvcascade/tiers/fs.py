@@ -198,7 +198,9 @@ class FileSystemTier(SecondaryTier):
             compute the MAC); None = checksums only.
 
     Raises:
-        OSError: ``root_dir`` or the namespace's ``config.json`` cannot be created.
+        OSError: ``root_dir``, the namespace's ``config.json`` or its data directory cannot
+            be created (a read-only mount, no permission); the message names the tier and
+            ``root_dir``, the error's ``filename`` the path refused.
         ConfigError: ``config.json`` exists with another identity (a digest collision) or is
             not a regular file, ``max_bytes`` is not positive, or ``root_dir`` exists and is
             not a directory.
@@ -233,23 +235,17 @@ class FileSystemTier(SecondaryTier):
         self.mapper = mapper
         self.max_bytes = max_bytes
         self.block_file_bytes = file_size(host.block_bytes)
-        if self.root.exists():
-            if not self.root.is_dir():
-                raise ConfigError(
-                    f"fs tier root_dir {str(self.root)!r} exists and is not a directory"
-                )
-        else:
-            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            log.warning(
-                "fs tier %s: root_dir %s did not exist; created it (check the path if an "
-                "existing directory was meant)",
-                name,
-                self.root.resolve(),
-            )
         self._prefix = os.path.join(self.root, "")
-        self._write_config()
         self.data_dir = self.root / mapper.namespace
-        self.data_dir.mkdir(mode=0o700, exist_ok=True)
+        try:
+            self._make_namespace()
+        except OSError as exc:  # a read-only or foreign directory: say which tier it is
+            raise type(exc)(
+                exc.errno,
+                f"fs tier {name!r}: cannot create its namespace under root_dir {self.root} "
+                f"({exc.strerror})",
+                exc.filename,
+            ) from exc
         self.o_direct = o_direct and probe_o_direct(self.data_dir)
         self._flags = _O_DIRECT if self.o_direct else 0
         self._lock = threading.Lock()  # guards _last_stamp
@@ -267,6 +263,31 @@ class FileSystemTier(SecondaryTier):
         self._fused: bool | None = None  # decided on first compiled use (needs fs_type)
         if self.compiled_io:
             compiled_fs_io()  # start loading the extension now, not on the first job
+
+    def _make_namespace(self) -> None:
+        """Create ``root_dir`` if missing (with a warning naming it), the namespace's
+        ``config.json`` and its data directory; existing ones are used as they are (a
+        read-only cache filled before needs no write).
+
+        Raises:
+            ConfigError: ``root_dir`` is not a directory; see :meth:`_write_config`.
+            OSError: a directory or ``config.json`` cannot be created.
+        """
+        if self.root.exists():
+            if not self.root.is_dir():
+                raise ConfigError(
+                    f"fs tier root_dir {str(self.root)!r} exists and is not a directory"
+                )
+        else:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            log.warning(
+                "fs tier %s: root_dir %s did not exist; created it (check the path if an "
+                "existing directory was meant)",
+                self.name,
+                self.root.resolve(),
+            )
+        self._write_config()
+        self.data_dir.mkdir(mode=0o700, exist_ok=True)
 
     def _write_config(self) -> None:
         path = self.root / self.mapper.config_relative_path()

@@ -35,6 +35,7 @@ from tier_helpers import BLOCK, job, key, load, lookups, pattern, running, store
 import kvcascade as kc
 from kvcascade import LookupResult as R
 from kvcascade.ops import _build
+from kvcascade.replay.cli import main
 from kvcascade.tiers import base, fs
 from kvcascade.tiers._block_format import (
     FORMAT_VERSION,
@@ -1114,6 +1115,30 @@ async def test_read_only_filesystem_store_hits_and_misses(
         async with running(reader):
             assert (await load(reader, [2], [11])).success
             assert bytes(host.row(11)) == pattern(2)
+
+
+def test_read_only_root_without_the_namespace_names_the_tier(
+    tmp_path: Path, host: kc.HostBuffer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tier on a read-only mount that does not hold its namespace yet cannot start: the error
+    (the OSError of the refused mkdir, EROFS) names the tier and its root_dir, and so does
+    ``kvcascade replay --fs-dir`` on it (it named only the namespace directory)."""
+    with mounted(tmp_path / "ro", "tmpfs", "size=64k,ro") as root:
+        with pytest.raises(OSError) as info:
+            make_tier(root, host, name="cold")
+        identity_dir = (root / mapper().config_relative_path()).parent  # created first
+        assert info.value.errno == errno.EROFS and info.value.filename == str(identity_dir)
+        assert str(info.value) == (
+            f"[Errno 30] fs tier 'cold': cannot create its namespace under root_dir {root} "
+            f"(Read-only file system): '{identity_dir}'"
+        )
+        argv = ["replay", "--requests", "2", "--quiet", "--fs-dir", str(root / "kv")]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"kvcascade: error: [Errno 30] fs tier 'fs': cannot create its namespace under "
+            f"root_dir {root / 'kv'} (Read-only file system): '{root / 'kv'}'\n"
+        )
 
 
 async def test_concurrent_writers_of_the_same_keys(tmp_path: Path) -> None:
