@@ -75,6 +75,7 @@ from .._types import (
     ScheduleEndContext,
     TransferJob,
 )
+from ._backend import NotFoundError
 from ._jobs import TierJobs
 from ._lookup import AsyncLookup
 from .cpu import HostBuffer
@@ -400,7 +401,9 @@ async def gather_blocks(
 
     Raises:
         TransferError: some block failed with a kvcascade error; carries the keys that
-            succeeded (job order) and the first failure as its cause.
+            succeeded (job order) and as its cause the first failure that is not a block found
+            missing (:class:`~kvcascade.tiers._backend.NotFoundError`), else the first one, so
+            that a fault is not logged as the miss of a block beside it.
         the first failure itself when it is not a kvcascade error (a bug, not an I/O fault).
     """
     results = await asyncio.gather(
@@ -409,7 +412,7 @@ async def gather_blocks(
     failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
     if not failed:
         return sum(r for r in results if isinstance(r, int))
-    i, first = failed[0]
+    i, first = next(((j, r) for j, r in failed if not isinstance(r, NotFoundError)), failed[0])
     if not isinstance(first, KVCascadeError):
         raise first
     bad = {j for j, _ in failed}
