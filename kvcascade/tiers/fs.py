@@ -119,6 +119,8 @@ COMPILED_STORE_BYTES = 1 << 20
 measured up to 20 % slower for 1–4 MiB blocks with O_DIRECT on ext4 than one block at a time;
 small blocks, and every size where I/O is a CPU copy (tmpfs, buffered), gain from batching."""
 _OS_ERROR, _CORRUPT = 3, 4  # error kinds of the fs ops (kernels/kvc_result.h)
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+"""The errors of a filesystem (or a quota) with no room for a write."""
 
 if PAGE_SIZE % ALIGN:
     raise ImportError(f"page size {PAGE_SIZE} is not a multiple of {ALIGN}")
@@ -145,7 +147,9 @@ def probe_o_direct(directory: str | os.PathLike[str]) -> bool:
 
     Any OSError (EINVAL on overlayfs, old tmpfs, some NFS) means buffered I/O. A directory that
     cannot be written at all (a read-only mount of a pre-filled cache) is logged as such: its
-    loads are served, its stores fail.
+    loads are served, its stores fail. A full filesystem is not said to be full here (a bounded
+    tier at its bound frees a file before each store): a store it refuses is
+    (:meth:`FileSystemTier._store_failed`).
     """
     if not _O_DIRECT:
         return False
@@ -158,8 +162,11 @@ def probe_o_direct(directory: str | os.PathLike[str]) -> bool:
     except OSError as exc:
         if fd is None and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             log.warning("fs tier: %s is not writable (%s): stores will fail", directory, exc)
-        elif exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            log.warning("fs tier: %s is full (%s): stores will fail", directory, exc)
+        elif exc.errno in _FULL_ERRNOS:
+            # Not "full": a bounded tier evicts before it writes, so its stores may well fit.
+            log.info(
+                "fs tier: no room for the O_DIRECT probe in %s (%s); buffered I/O", directory, exc
+            )
         else:
             log.warning("fs tier: O_DIRECT unavailable in %s (%s); buffered I/O", directory, exc)
         return False

@@ -1079,6 +1079,32 @@ async def test_enospc_fails_cleanly_and_loads_keep_working(
             assert files(root, ".tmp") == []
 
 
+async def test_full_disk_at_start_is_not_called_full_when_eviction_makes_room(
+    tmp_path: Path, host: kc.HostBuffer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bounded tier whose files fill its filesystem exactly: restarted on it, the O_DIRECT
+    probe finds no room, which used to be logged as "is full: stores will fail" although each
+    store evicts a file first and succeeds. Now nothing says full, and every store is done."""
+    with mounted(tmp_path / "mnt", "tmpfs", "size=64k") as root:  # config.json + 5 block files
+        bound = 5 * file_size(BLOCK)
+        async with running(tier := make_tier(root, host, max_bytes=bound)):
+            for i in range(6):
+                assert (await store(tier, host, [i], [0])).success
+        assert os.statvfs(root).f_bavail == 0  # full: not even the probe's page fits
+        caplog.clear()
+        caplog.set_level(logging.INFO, logger="kvcascade")
+        again = make_tier(root, host, max_bytes=bound)
+        async with running(again):
+            for i in range(100, 105):
+                assert (await store(again, host, [i], [0])).success
+            assert (await load(again, [104], [5])).success and bytes(host.row(5)) == pattern(104)
+        assert again.counters["evictions"] == 5
+        messages = [r.getMessage() for r in caplog.records]
+        assert not [m for m in messages if " is full" in m or "stores will fail" in m]
+        if fs._O_DIRECT:
+            assert f"no room for the O_DIRECT probe in {again.data_dir}" in "\n".join(messages)
+
+
 async def test_read_only_filesystem_store_hits_and_misses(
     tmp_path: Path, host: kc.HostBuffer, caplog: pytest.LogCaptureFixture
 ) -> None:
