@@ -628,11 +628,27 @@ class FileSystemTier(SecondaryTier):
         failed after the others were stored (store hits included) with ``written`` payload
         bytes: the same partial result as the S3 tier's (``kvcascade/tiers/s3.py``).
 
+        Blocks the filesystem refused for want of room (ENOSPC, EDQUOT: a disk that filled
+        mid-run, not the tier's own ``max_bytes``) are counted in
+        ``counters["disk_full_blocks"]`` and warned about, naming the tier and its
+        ``root_dir``, rate-limited as corrupt blocks are (:meth:`_limited_warning`). Their temp
+        files are already removed: a refused block is a failed store, never a corrupt file.
+
         Raises:
             TransferError: always; names the first failed block and its cause (also the
                 exception's cause) and how many failed; ``succeeded``: the other keys, in job
                 order; ``transferred_bytes``: ``written``.
         """
+        full = [e for _, e in failures if e.errno in _FULL_ERRNOS and not isinstance(e, _OverBound)]
+        if full:
+            self._limited_warning(
+                "disk_full_blocks",
+                len(full),
+                f"fs tier {self.name}: root_dir {self.root} is full ({full[0].strerror}): "
+                f"{len(full)} of {len(keys)} blocks of a store not stored; stores fail until the "
+                "filesystem has room (no block is left partly written)",
+                "refused blocks",
+            )
         i, exc = failures[0]
         bad = {j for j, _ in failures}
         more = f"; {len(failures)} of {len(keys)} blocks failed" if len(failures) > 1 else ""
@@ -889,8 +905,12 @@ def _naming(exc: OSError, path: str) -> str:
     return str(exc) if exc.filename else f"{exc}: {path!r}"
 
 
+class _OverBound(OSError):
+    """A block refused by the tier's own ``max_bytes`` (ENOSPC), not by the filesystem."""
+
+
 def _no_room(size: int) -> OSError:
-    return OSError(errno.ENOSPC, f"block file of {size} bytes does not fit in max_bytes")
+    return _OverBound(errno.ENOSPC, f"block file of {size} bytes does not fit in max_bytes")
 
 
 def _utf8(text: str) -> bool:

@@ -419,7 +419,11 @@ async def test_corrupt_block_warnings_are_rate_limited_and_the_count_exact(
 
         for i in range(4):
             await corrupt(i)
-        [first] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        [first] = [  # (asyncio's debug-mode "Executing … took" lines are not ours)
+            r.getMessage()
+            for r in caplog.records
+            if r.levelname == "WARNING" and r.name.startswith("kvcascade")
+        ]
         assert first.startswith(f"tier fs: {tier.path_of(key(0))}: checksum mismatch")
         assert logged("WARNING") == [
             "(later corrupt blocks of this tier: one warning per 60 s at most)"
@@ -1079,6 +1083,63 @@ async def test_enospc_fails_cleanly_and_loads_keep_working(
             assert files(root, ".tmp") == []
 
 
+async def test_disk_full_mid_run_is_one_rate_limited_warning_and_clean_failures(
+    tmp_path: Path,
+    host: kc.HostBuffer,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A filesystem that fills mid-run (ENOSPC from the OS; the tier has no ``max_bytes``): one
+    warning naming the tier and its root_dir, later refusals debug lines then a summary at most
+    once per CORRUPT_WARNING_INTERVAL_S (as corrupt blocks), each refused block counted
+    (``disk_full_blocks``) and a clean store failure: no temp file, no partial or corrupt
+    block file, every stored block loads byte-exact."""
+    caplog.set_level(logging.DEBUG, logger="kvcascade.tiers.base")
+    with mounted(tmp_path / "mnt", "tmpfs", "size=128k") as root:
+        tier = make_tier(root, host, name="disk")
+        async with running(tier):
+            results = [await store(tier, host, [i], [i % 4]) for i in range(16)]
+            ok = [i for i, r in enumerate(results) if r.success]
+            refused = len(results) - len(ok)
+            assert ok == list(range(len(ok))) and refused >= 3
+            assert tier.counters["disk_full_blocks"] == refused
+
+            def logged(level: str) -> list[str]:
+                return [
+                    r.getMessage()
+                    for r in caplog.records
+                    if r.levelname == level
+                    and r.name == "kvcascade.tiers.base"
+                    and "is full" in r.getMessage()
+                ]
+
+            head = (
+                f"fs tier disk: root_dir {root} is full (No space left on device): 1 of 1 "
+                "blocks of a store not stored; stores fail until the filesystem has room (no "
+                "block is left partly written)"
+            )
+            assert logged("WARNING") == [
+                f"{head} (later refused blocks of this tier: one warning per 60 s at most)"
+            ]
+            assert logged("DEBUG") == [
+                f"{head} ({n} refused blocks since the last warning, {n + 1} in all)"
+                for n in range(1, refused)
+            ]
+            monkeypatch.setattr(base, "CORRUPT_WARNING_INTERVAL_S", 0.0)  # the interval is over
+            both = await store(tier, host, [ok[0], 99], [0, 1])  # a store hit and a refusal
+            assert not both.success and list(both.successful_keys or []) == [key(ok[0])]
+            assert logged("WARNING")[1:] == [
+                head.replace("1 of 1", "1 of 2")
+                + f" ({refused} refused blocks since the last warning, {refused + 1} in all)"
+            ]
+            assert files(root, ".tmp") == [] and tier.counters["corrupt_blocks"] == 0
+            assert {p.stat().st_size for p in files(root, ".bin")} == {file_size(BLOCK)}
+            assert (await load(tier, ok[:8], list(range(8, 8 + len(ok[:8]))))).success
+            assert [bytes(host.row(8 + n)) for n in range(len(ok[:8]))] == [
+                pattern(i) for i in ok[:8]
+            ]
+
+
 async def test_full_disk_at_start_is_not_called_full_when_eviction_makes_room(
     tmp_path: Path, host: kc.HostBuffer, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1098,7 +1159,7 @@ async def test_full_disk_at_start_is_not_called_full_when_eviction_makes_room(
             for i in range(100, 105):
                 assert (await store(again, host, [i], [0])).success
             assert (await load(again, [104], [5])).success and bytes(host.row(5)) == pattern(104)
-        assert again.counters["evictions"] == 5
+        assert again.counters["evictions"] == 5 and again.counters["disk_full_blocks"] == 0
         messages = [r.getMessage() for r in caplog.records]
         assert not [m for m in messages if " is full" in m or "stores will fail" in m]
         if fs._O_DIRECT:
