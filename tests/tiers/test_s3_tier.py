@@ -753,6 +753,7 @@ def replay_config(s3: dict[str, Any], fs_dir: Path) -> kc.CascadeConfig:
     )
 
 
+@pytest.mark.usefixtures("frozen_heap")  # full collections: tests/conftest.py
 async def test_server_killed_and_restarted_during_a_replay(
     killable: MotoServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
