@@ -170,7 +170,9 @@ def _when(t: float | None) -> str:
 
 
 def format_inspection(usages: list[NamespaceUsage]) -> str:
-    """The ``kvcascade inspect`` table: one row per namespace, then its identity."""
+    """The ``kvcascade inspect`` table: one row per namespace (the name ``purge --namespace``
+    takes), then the directories it is on disk (``<name>/config.json`` and the block
+    directories ``<name>_r<rank>/``), then its identity."""
     if not usages:
         return "no kvcascade namespaces here"
     lines = [f"{'namespace':<40}{'blocks':>9}{'bytes':>16}{'temp':>6}  oldest / newest"]
@@ -179,6 +181,8 @@ def format_inspection(usages: list[NamespaceUsage]) -> str:
             f"{u.name:<40}{u.blocks:>9,}{u.bytes:>16,}{u.temp_files:>6}  "
             f"{_when(u.oldest)} / {_when(u.newest)}"
         )
+        blocks = ", ".join(f"{rank}/" for rank in u.ranks) or "no block directory"
+        lines.append(f"    on disk: {u.name}/config.json, blocks in {blocks}")
         ident = u.identity
         if ident is None:
             lines.append("    identity: config.json unreadable")

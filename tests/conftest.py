@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import faulthandler
+import gc
 import logging
 import signal
 import sys
@@ -55,6 +56,29 @@ def _test_timeout() -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture
+def frozen_heap() -> Iterator[None]:
+    """The objects that exist before the test (torch, botocore's service models, moto's
+    clients: some 260,000 objects in tests/tiers/test_slow_tier.py) left out of garbage
+    collection during it (``gc.collect()`` then ``gc.freeze()``; ``gc.unfreeze()`` after).
+
+    A full collection walks every tracked object and runs inside whichever loop callback
+    allocated when it triggered: measured 0.25-0.30 s per full collection in that heap at load
+    average 2.6 on the shared 2-core machine (a ``gc.callbacks`` timer around each loop handle),
+    0.378 s of a 0.385 s step of ``S3Tier._head``, so under a heavier load one collection alone
+    passes :data:`SLOW_CALLBACK_S` in a callback that did nothing slow (the flakes of an
+    aiobotocore ``head_object`` step at 1.8 s and of the fault proxy's ``_accept_connection`` at
+    1.014 s, which accepted at most 4 connections per call, 7 ms at most). Frozen objects are
+    not walked, so a collection during the test costs what the test itself allocated. For tests
+    whose heap is that large; the loop guard still fails a callback that blocks."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class _SlowCallbacks(logging.Handler):

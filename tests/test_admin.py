@@ -49,6 +49,9 @@ def test_inspect_lists_each_namespace_with_its_files(
         assert u.bytes == sum(f.stat().st_size for f in files)
         assert u.identity is not None and u.identity["model_name"] == "kvcascade-replay"
         assert u.name in out and f"{u.blocks:,}" in out
+        # The directories as they are on disk: the block files sit in <name>_r0/, not <name>/.
+        assert u.ranks == [f"{u.name}_r0"] and (root / u.ranks[0]).is_dir()
+        assert f"    on disk: {u.name}/config.json, blocks in {u.name}_r0/\n" in out
     rows = json.loads((root / "ls.json").read_text())
     assert [r["name"] for r in rows] == [u.name for u in usages]
 

@@ -54,7 +54,7 @@ def test_two_fs_tiers_on_one_directory_are_refused(tmp_path: Path) -> None:
     "tier",
     [
         {"type": "fs", "root_dir": "R"},
-        {"type": "s3", "bucket": "b", "name": "objects"},
+        {"type": "s3", "bucket": "kv-bucket", "name": "objects"},
         {"type": "valkey", "url": "redis://127.0.0.1:1"},
         {"type": "MemoryTier", "module_path": "kvcascade.tiers.memory", "name": "plugin"},
     ],

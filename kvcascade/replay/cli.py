@@ -202,14 +202,22 @@ def _load_config_arg(text: str | None) -> dict[str, Any]:
 def build_replay_config(
     args: argparse.Namespace, temporary_root: Callable[[], str] | None = None
 ) -> CascadeConfig:
-    """Merge ``--config`` keys with the command-line options (options win); an fs tier without
-    ``root_dir`` gets ``temporary_root()`` (a directory removed after the replay);
-    ``model_name`` is :data:`REPLAY_MODEL_NAME` unless ``--config`` names one.
+    """Merge ``--config`` keys with the command-line options: an option fills in its key (an
+    fs, s3 or valkey option that of the first tier of its type, added if ``--config`` has
+    none, except fs); an fs tier without ``root_dir`` gets ``temporary_root()`` (a directory
+    removed after the replay); ``model_name`` is :data:`REPLAY_MODEL_NAME` unless ``--config``
+    names one.
+
+    An option whose key ``--config`` sets too is refused rather than letting one win: the
+    report is read as the run of the configuration given, and a file edited to say one thing
+    while a flag in a shell history says another would be measured as neither (the same rule
+    as two sizes of the CPU tier).
 
     Raises:
-        ConfigError: a bad ``--config``, an option that needs a tier not configured, or two
-            sizes of the CPU tier (``--cpu-blocks`` or ``cpu_blocks`` with ``cpu_bytes_to_use``),
-            besides what :class:`~kvcascade.CascadeConfig` refuses.
+        ConfigError: a bad ``--config``, an option that needs a tier not configured, an option
+            whose key ``--config`` sets too (both named), or two sizes of the CPU tier
+            (``--cpu-blocks`` or ``cpu_blocks`` with ``cpu_bytes_to_use``), besides what
+            :class:`~kvcascade.CascadeConfig` refuses.
     """
     from .._config import CascadeConfig
 
@@ -219,58 +227,94 @@ def build_replay_config(
         tiers = [] if args.no_fs else [{"type": "fs"}]
     elif args.no_fs and isinstance(tiers, list):
         tiers = [t for t in tiers if not (isinstance(t, dict) and t.get("type") == "fs")]
-    if args.fs_dir and isinstance(tiers, list):
-        fs = [t for t in tiers if isinstance(t, dict) and t.get("type") == "fs"]
-        if not fs:
-            raise ConfigError("--fs-dir given but no fs tier is configured (drop --no-fs)")
-        fs[0]["root_dir"] = args.fs_dir
-    if args.fs_max_bytes and isinstance(tiers, list):
-        fs = [t for t in tiers if isinstance(t, dict) and t.get("type") == "fs"]
-        if not fs:
-            raise ConfigError("--fs-max-bytes given but no fs tier is configured (drop --no-fs)")
-        fs[0]["max_bytes"] = args.fs_max_bytes
-    if temporary_root is not None and isinstance(tiers, list):
-        for tier in tiers:
-            if isinstance(tier, dict) and tier.get("type") == "fs" and not tier.get("root_dir"):
-                tier["root_dir"] = temporary_root()
-    if args.s3_endpoint and not args.s3_bucket:
-        raise ConfigError("--s3-endpoint needs --s3-bucket")
-    if args.s3_bucket and isinstance(tiers, list):
-        s3 = [t for t in tiers if isinstance(t, dict) and t.get("type") in ("s3", "obj")]
-        if not s3:
-            s3 = [{"type": "s3"}]
-            tiers.append(s3[0])
-        s3[0]["bucket"] = args.s3_bucket
-        if args.s3_endpoint:
-            s3[0]["endpoint_url"] = args.s3_endpoint
-    if args.valkey and isinstance(tiers, list):
-        valkey = [t for t in tiers if isinstance(t, dict) and t.get("type") == "valkey"]
-        if not valkey:
-            valkey = [{"type": "valkey"}]
-            tiers.append(valkey[0])
-        valkey[0]["url"] = args.valkey
-    extra["secondary_tiers"] = tiers
-    extra.setdefault("model_name", REPLAY_MODEL_NAME)
-    cpu_blocks = args.cpu_blocks
-    if "cpu_bytes_to_use" in extra and (cpu_blocks is not None or "cpu_blocks" in extra):
+    if "cpu_bytes_to_use" in extra and (args.cpu_blocks is not None or "cpu_blocks" in extra):
         given = (
-            f"--cpu-blocks {cpu_blocks}"
-            if cpu_blocks is not None
+            f"--cpu-blocks {args.cpu_blocks}"
+            if args.cpu_blocks is not None
             else f"cpu_blocks={extra['cpu_blocks']!r}"
         )
         raise ConfigError(
             f"{given} and cpu_bytes_to_use={extra['cpu_bytes_to_use']!r} in --config both size "
             "the CPU tier; give one of them"
         )
-    if cpu_blocks is None and "cpu_bytes_to_use" not in extra and "cpu_blocks" not in extra:
-        cpu_blocks = DEFAULT_CPU_BLOCKS
-    return CascadeConfig.from_extra_config(
-        extra,
-        gpu_blocks=args.gpu_blocks or extra.get("gpu_blocks", DEFAULT_GPU_BLOCKS),
-        cpu_blocks=cpu_blocks,
-        block_bytes=args.block_bytes or extra.get("block_bytes", DEFAULT_BLOCK_BYTES),
-        eviction_policy=args.eviction_policy,
-    )
+    if isinstance(tiers, list):
+        _fill_tier_options(args, tiers)
+    if temporary_root is not None and isinstance(tiers, list):
+        for tier in tiers:
+            if isinstance(tier, dict) and tier.get("type") == "fs" and not tier.get("root_dir"):
+                tier["root_dir"] = temporary_root()
+    extra["secondary_tiers"] = tiers
+    extra.setdefault("model_name", REPLAY_MODEL_NAME)
+    for flag, key in _CONFIG_OPTIONS:
+        _fill(extra, key, getattr(args, key), flag, "")
+    extra.setdefault("gpu_blocks", DEFAULT_GPU_BLOCKS)
+    extra.setdefault("block_bytes", DEFAULT_BLOCK_BYTES)
+    if "cpu_bytes_to_use" not in extra:
+        extra.setdefault("cpu_blocks", DEFAULT_CPU_BLOCKS)
+    return CascadeConfig.from_extra_config(extra)
+
+
+#: The options that set a top-level ``--config`` key of the same name (the option's dest).
+_CONFIG_OPTIONS = (
+    ("--gpu-blocks", "gpu_blocks"),
+    ("--cpu-blocks", "cpu_blocks"),
+    ("--block-bytes", "block_bytes"),
+    ("--eviction-policy", "eviction_policy"),
+)
+
+
+def _fill(entry: dict[str, Any], key: str, value: Any, flag: str, where: str) -> None:
+    """Set ``entry[key]`` to the option ``flag``'s ``value`` (None: not given).
+
+    Raises:
+        ConfigError: ``--config`` sets ``key`` too (``where``: which tier, or ``""``).
+    """
+    if value is None:
+        return
+    if key in entry:
+        raise ConfigError(
+            f"{flag} {value} and {key}={entry[key]!r} in --config{where} both set {key}; "
+            "give one of them"
+        )
+    entry[key] = value
+
+
+def _fill_tier_options(args: argparse.Namespace, tiers: list[Any]) -> None:
+    """The fs, s3 and valkey options into the first tier of their type (:func:`_fill`).
+
+    Raises:
+        ConfigError: an fs option without an fs tier, ``--s3-endpoint`` without
+            ``--s3-bucket``, or an option whose key the tier's entry sets too.
+    """
+
+    def first(types: tuple[str, ...], add: bool) -> dict[str, Any] | None:
+        found = [t for t in tiers if isinstance(t, dict) and t.get("type") in types]
+        if not found and add:
+            found = [{"type": types[0]}]
+            tiers.append(found[0])
+        return found[0] if found else None
+
+    for flag, key, value in (
+        ("--fs-dir", "root_dir", args.fs_dir),
+        ("--fs-max-bytes", "max_bytes", args.fs_max_bytes),
+    ):
+        if value is None:
+            continue
+        fs = first(("fs",), add=False)
+        if fs is None:
+            raise ConfigError(f"{flag} given but no fs tier is configured (drop --no-fs)")
+        _fill(fs, key, value, flag, "'s fs tier")
+    if args.s3_endpoint and not args.s3_bucket:
+        raise ConfigError("--s3-endpoint needs --s3-bucket")
+    if args.s3_bucket:
+        s3 = first(("s3", "obj"), add=True)
+        assert s3 is not None
+        _fill(s3, "bucket", args.s3_bucket, "--s3-bucket", "'s s3 tier")
+        _fill(s3, "endpoint_url", args.s3_endpoint, "--s3-endpoint", "'s s3 tier")
+    if args.valkey:
+        valkey = first(("valkey",), add=True)
+        assert valkey is not None
+        _fill(valkey, "url", args.valkey, "--valkey", "'s valkey tier")
 
 
 def _row(label: str, value: str) -> str:

@@ -230,9 +230,16 @@ def compare(
     none.
 
     Raises:
-        ValueError: a fraction outside ``(0, 1]`` or a bad ``hints`` spec.
+        ValueError: a fraction outside ``(0, 1]``, a policy or fraction given twice (its
+            column or row would be printed twice), or a bad ``hints`` spec.
         ConfigError: an unknown policy.
     """
+    for what, values in (("policy", policies), ("capacity fraction", fractions)):
+        seen: set[object] = set()
+        for value in values:
+            if value in seen:
+                raise ValueError(f"{what} {value!r} is given twice; give each once")
+            seen.add(value)
     use_hints, noise = parse_hints(hints)
     request_hints = oracle_hints(trace, noise, seed) if use_hints else None
     unique = unique_blocks(trace)

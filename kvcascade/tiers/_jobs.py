@@ -43,6 +43,7 @@ from .._errors import (
 )
 from .._keys import make_offload_key
 from .._types import JobResult, OffloadingEvent, TransferJob
+from ._backend import NotFoundError
 from ._health import DeadlineHealth
 from ._pool import Priority, Submitted, TaskPool, ThreadPool, WorkerPool
 
@@ -85,6 +86,7 @@ class TierJobs:
         self._pending: set[asyncio.Future[JobResult]] = set()
         self._finished: collections.deque[JobResult] = collections.deque()
         self._events: collections.deque[OffloadingEvent] = collections.deque()
+        self._warned: set[str] = set()  # the kinds of failed job already logged as a warning
         self.health = DeadlineHealth(tier.name, tier.counters, self._answers_in_time)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -296,9 +298,18 @@ class TierJobs:
         elif isinstance(error, TransferError):
             kind = "load_failures" if job.is_promotion else "store_failures"
             counters[kind] += 1
-            # the first of each kind is a warning (a full disk fails every job: no flood); a
-            # corrupt block was already warned about by the tier's _corrupt
-            first = counters[kind] == 1 and not isinstance(error.__cause__, CorruptBlockError)
+            # The first failure of each kind is a warning (a full disk fails every job: no
+            # flood), the others debug lines. Not warnings: a corrupt block (the tier's _corrupt
+            # warned), and a load of a block the backend answered is not there (a value a
+            # valkey server evicted between lookup and load: a miss under eviction, counted by
+            # the tier, e.g. valkey's missing_blocks).
+            cause = error.__cause__
+            routine = isinstance(cause, CorruptBlockError) or (
+                job.is_promotion and isinstance(cause, NotFoundError)
+            )
+            first = not routine and kind not in self._warned
+            if first:
+                self._warned.add(kind)
             log.log(
                 logging.WARNING if first else logging.DEBUG,
                 "tier %s: job %d: %s (%s so far: %d)",

@@ -75,6 +75,7 @@ from .._types import (
     ScheduleEndContext,
     TransferJob,
 )
+from ._backend import NotFoundError
 from ._jobs import TierJobs
 from ._lookup import AsyncLookup
 from .cpu import HostBuffer
@@ -85,10 +86,10 @@ _T = TypeVar("_T")
 PROBE_TIMEOUT_S = 0.5
 """Default deadline of one existence probe, seconds (``probe_timeout_s`` of every tier)."""
 CORRUPT_WARNING_INTERVAL_S = 60.0
-"""Seconds between two warnings about corrupt blocks of one tier: the first corrupt block is
-warned about at once, the later ones in one summary at most this often (a damaged disk or a
-second writer corrupts many blocks: no flood), each one a debug line; ``counters
-["corrupt_blocks"]`` counts every one."""
+"""Seconds between two warnings of one kind about one tier's blocks (corrupt blocks, stores
+a full filesystem refused: :meth:`SecondaryTier._limited_warning`): the first block is warned
+about at once, the later ones in one summary at most this often (a damaged or full disk fails
+many blocks: no flood), each one a debug line; the kind's counter counts every one."""
 
 
 class SecondaryTier(ABC):
@@ -142,9 +143,10 @@ class SecondaryTier(ABC):
         self.max_queued_jobs = max_queued_jobs
         self.counters: collections.Counter[str] = collections.Counter()
         self._counters_lock = threading.Lock()  # counts made on I/O threads
-        # _corrupt's rate limit (under _counters_lock): when it last warned, blocks since then.
-        self._corrupt_warned_at: float | None = None
-        self._corrupt_unwarned = 0
+        # _limited_warning's state per counter (under _counters_lock): when it last warned,
+        # blocks since then.
+        self._warned_at: dict[str, float] = {}
+        self._unwarned: collections.Counter[str] = collections.Counter()
         self._lookup = AsyncLookup(self)
         self._jobs = TierJobs(self)
 
@@ -227,39 +229,48 @@ class SecondaryTier(ABC):
         from its index; a native tier's returns an awaitable, which this returns for the caller
         to await); the caller then fails the block, so that it is recomputed, never served.
 
-        The tier's first corrupt block is a warning; after it, one warning at most every
-        :data:`CORRUPT_WARNING_INTERVAL_S` seconds, with the count since the previous warning
-        and in all, and a debug line for every other block. Safe on any thread."""
+        Logged by :meth:`_limited_warning`. Safe on any thread."""
+        self._limited_warning(
+            "corrupt_blocks",
+            1,
+            f"tier {self.name}: {exc}; deleted, block treated as a miss",
+            "corrupt blocks",
+        )
+        return delete()
+
+    def _limited_warning(self, counter: str, n: int, message: str, what: str) -> None:
+        """Count ``n`` blocks in ``counters[counter]`` and log ``message`` about them: the
+        tier's first time a warning (saying that later ones are rate-limited); after it, one
+        warning at most every :data:`CORRUPT_WARNING_INTERVAL_S` seconds, with the blocks
+        (``what``) since the previous warning and in all, and a debug line each other time.
+        Safe on any thread."""
         now = time.monotonic()
         with self._counters_lock:
-            self.counters["corrupt_blocks"] += 1
-            total = self.counters["corrupt_blocks"]
-            last = self._corrupt_warned_at
+            self.counters[counter] += n
+            total = self.counters[counter]
+            last = self._warned_at.get(counter)
             warn = last is None or now - last >= CORRUPT_WARNING_INTERVAL_S
-            self._corrupt_unwarned += 1
-            since = self._corrupt_unwarned
+            self._unwarned[counter] += n
+            since = self._unwarned[counter]
             if warn:
-                self._corrupt_warned_at = now
-                self._corrupt_unwarned = 0
+                self._warned_at[counter] = now
+                self._unwarned[counter] = 0
         if last is None:
             log.warning(
-                "tier %s: %s; deleted, block treated as a miss (later corrupt blocks of this "
-                "tier: one warning per %.0f s at most)",
-                self.name,
-                exc,
+                "%s (later %s of this tier: one warning per %.0f s at most)",
+                message,
+                what,
                 CORRUPT_WARNING_INTERVAL_S,
             )
         else:
             log.log(
                 logging.WARNING if warn else logging.DEBUG,
-                "tier %s: %s; deleted, block treated as a miss (%d corrupt blocks since the "
-                "last warning, %d in all)",
-                self.name,
-                exc,
+                "%s (%d %s since the last warning, %d in all)",
+                message,
                 since,
+                what,
                 total,
             )
-        return delete()
 
     def _announce_removed(self, keys: Sequence[bytes]) -> None:
         """Announce ``keys`` as removed (the tier evicted them); safe on any thread."""
@@ -400,7 +411,9 @@ async def gather_blocks(
 
     Raises:
         TransferError: some block failed with a kvcascade error; carries the keys that
-            succeeded (job order) and the first failure as its cause.
+            succeeded (job order) and as its cause the first failure that is not a block found
+            missing (:class:`~kvcascade.tiers._backend.NotFoundError`), else the first one, so
+            that a fault is not logged as the miss of a block beside it.
         the first failure itself when it is not a kvcascade error (a bug, not an I/O fault).
     """
     results = await asyncio.gather(
@@ -409,7 +422,7 @@ async def gather_blocks(
     failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
     if not failed:
         return sum(r for r in results if isinstance(r, int))
-    i, first = failed[0]
+    i, first = next(((j, r) for j, r in failed if not isinstance(r, NotFoundError)), failed[0])
     if not isinstance(first, KVCascadeError):
         raise first
     bad = {j for j, _ in failed}

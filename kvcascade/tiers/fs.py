@@ -119,6 +119,8 @@ COMPILED_STORE_BYTES = 1 << 20
 measured up to 20 % slower for 1–4 MiB blocks with O_DIRECT on ext4 than one block at a time;
 small blocks, and every size where I/O is a CPU copy (tmpfs, buffered), gain from batching."""
 _OS_ERROR, _CORRUPT = 3, 4  # error kinds of the fs ops (kernels/kvc_result.h)
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+"""The errors of a filesystem (or a quota) with no room for a write."""
 
 if PAGE_SIZE % ALIGN:
     raise ImportError(f"page size {PAGE_SIZE} is not a multiple of {ALIGN}")
@@ -145,7 +147,9 @@ def probe_o_direct(directory: str | os.PathLike[str]) -> bool:
 
     Any OSError (EINVAL on overlayfs, old tmpfs, some NFS) means buffered I/O. A directory that
     cannot be written at all (a read-only mount of a pre-filled cache) is logged as such: its
-    loads are served, its stores fail.
+    loads are served, its stores fail. A full filesystem is not said to be full here (a bounded
+    tier at its bound frees a file before each store): a store it refuses is
+    (:meth:`FileSystemTier._store_failed`).
     """
     if not _O_DIRECT:
         return False
@@ -158,8 +162,11 @@ def probe_o_direct(directory: str | os.PathLike[str]) -> bool:
     except OSError as exc:
         if fd is None and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             log.warning("fs tier: %s is not writable (%s): stores will fail", directory, exc)
-        elif exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            log.warning("fs tier: %s is full (%s): stores will fail", directory, exc)
+        elif exc.errno in _FULL_ERRNOS:
+            # Not "full": a bounded tier evicts before it writes, so its stores may well fit.
+            log.info(
+                "fs tier: no room for the O_DIRECT probe in %s (%s); buffered I/O", directory, exc
+            )
         else:
             log.warning("fs tier: O_DIRECT unavailable in %s (%s); buffered I/O", directory, exc)
         return False
@@ -198,7 +205,9 @@ class FileSystemTier(SecondaryTier):
             compute the MAC); None = checksums only.
 
     Raises:
-        OSError: ``root_dir`` or the namespace's ``config.json`` cannot be created.
+        OSError: ``root_dir``, the namespace's ``config.json`` or its data directory cannot
+            be created (a read-only mount, no permission); the message names the tier and
+            ``root_dir``, the error's ``filename`` the path refused.
         ConfigError: ``config.json`` exists with another identity (a digest collision) or is
             not a regular file, ``max_bytes`` is not positive, or ``root_dir`` exists and is
             not a directory.
@@ -233,23 +242,17 @@ class FileSystemTier(SecondaryTier):
         self.mapper = mapper
         self.max_bytes = max_bytes
         self.block_file_bytes = file_size(host.block_bytes)
-        if self.root.exists():
-            if not self.root.is_dir():
-                raise ConfigError(
-                    f"fs tier root_dir {str(self.root)!r} exists and is not a directory"
-                )
-        else:
-            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            log.warning(
-                "fs tier %s: root_dir %s did not exist; created it (check the path if an "
-                "existing directory was meant)",
-                name,
-                self.root.resolve(),
-            )
         self._prefix = os.path.join(self.root, "")
-        self._write_config()
         self.data_dir = self.root / mapper.namespace
-        self.data_dir.mkdir(mode=0o700, exist_ok=True)
+        try:
+            self._make_namespace()
+        except OSError as exc:  # a read-only or foreign directory: say which tier it is
+            raise type(exc)(
+                exc.errno,
+                f"fs tier {name!r}: cannot create its namespace under root_dir {self.root} "
+                f"({exc.strerror})",
+                exc.filename,
+            ) from exc
         self.o_direct = o_direct and probe_o_direct(self.data_dir)
         self._flags = _O_DIRECT if self.o_direct else 0
         self._lock = threading.Lock()  # guards _last_stamp
@@ -267,6 +270,31 @@ class FileSystemTier(SecondaryTier):
         self._fused: bool | None = None  # decided on first compiled use (needs fs_type)
         if self.compiled_io:
             compiled_fs_io()  # start loading the extension now, not on the first job
+
+    def _make_namespace(self) -> None:
+        """Create ``root_dir`` if missing (with a warning naming it), the namespace's
+        ``config.json`` and its data directory; existing ones are used as they are (a
+        read-only cache filled before needs no write).
+
+        Raises:
+            ConfigError: ``root_dir`` is not a directory; see :meth:`_write_config`.
+            OSError: a directory or ``config.json`` cannot be created.
+        """
+        if self.root.exists():
+            if not self.root.is_dir():
+                raise ConfigError(
+                    f"fs tier root_dir {str(self.root)!r} exists and is not a directory"
+                )
+        else:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            log.warning(
+                "fs tier %s: root_dir %s did not exist; created it (check the path if an "
+                "existing directory was meant)",
+                self.name,
+                self.root.resolve(),
+            )
+        self._write_config()
+        self.data_dir.mkdir(mode=0o700, exist_ok=True)
 
     def _write_config(self) -> None:
         path = self.root / self.mapper.config_relative_path()
@@ -600,11 +628,27 @@ class FileSystemTier(SecondaryTier):
         failed after the others were stored (store hits included) with ``written`` payload
         bytes: the same partial result as the S3 tier's (``kvcascade/tiers/s3.py``).
 
+        Blocks the filesystem refused for want of room (ENOSPC, EDQUOT: a disk that filled
+        mid-run, not the tier's own ``max_bytes``) are counted in
+        ``counters["disk_full_blocks"]`` and warned about, naming the tier and its
+        ``root_dir``, rate-limited as corrupt blocks are (:meth:`_limited_warning`). Their temp
+        files are already removed: a refused block is a failed store, never a corrupt file.
+
         Raises:
             TransferError: always; names the first failed block and its cause (also the
                 exception's cause) and how many failed; ``succeeded``: the other keys, in job
                 order; ``transferred_bytes``: ``written``.
         """
+        full = [e for _, e in failures if e.errno in _FULL_ERRNOS and not isinstance(e, _OverBound)]
+        if full:
+            self._limited_warning(
+                "disk_full_blocks",
+                len(full),
+                f"fs tier {self.name}: root_dir {self.root} is full ({full[0].strerror}): "
+                f"{len(full)} of {len(keys)} blocks of a store not stored; stores fail until the "
+                "filesystem has room (no block is left partly written)",
+                "refused blocks",
+            )
         i, exc = failures[0]
         bad = {j for j, _ in failures}
         more = f"; {len(failures)} of {len(keys)} blocks failed" if len(failures) > 1 else ""
@@ -861,8 +905,12 @@ def _naming(exc: OSError, path: str) -> str:
     return str(exc) if exc.filename else f"{exc}: {path!r}"
 
 
+class _OverBound(OSError):
+    """A block refused by the tier's own ``max_bytes`` (ENOSPC), not by the filesystem."""
+
+
 def _no_room(size: int) -> OSError:
-    return OSError(errno.ENOSPC, f"block file of {size} bytes does not fit in max_bytes")
+    return _OverBound(errno.ENOSPC, f"block file of {size} bytes does not fit in max_bytes")
 
 
 def _utf8(text: str) -> bool:

@@ -70,7 +70,6 @@ import datetime
 import functools
 import logging
 import math
-import re
 import urllib.parse
 import zlib
 from collections.abc import Collection, Sequence
@@ -86,7 +85,6 @@ from botocore.exceptions import (
     ClientError,
     ConnectionClosedError,
     NoCredentialsError,
-    ParamValidationError,
     ReadTimeoutError,
     ResponseStreamingError,
 )
@@ -110,6 +108,7 @@ from ._block_format import (
     encode_header,
     file_size,
 )
+from ._bucket_name import BUCKET_RULE, check_bucket_name
 from ._capacity import CapacityIndex
 from ._file_mapper import FileMapper
 from .base import PROBE_TIMEOUT_S, SecondaryTier, gather_blocks
@@ -274,17 +273,12 @@ def _error_code(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-"""A bucket name S3 accepts for new buckets: 3–63 lowercase letters, digits, dots, hyphens."""
-_BUCKET_RULE = "3-63 lowercase letters, digits, dots or hyphens, starting and ending alphanumeric"
-
-
-def _startup_problem(bucket: str, exc: BaseException) -> str:
+def _startup_problem(exc: BaseException) -> str:
     """What the start-up ``HeadBucket`` failure ``exc`` (translated by :meth:`Backend.translate`)
-    says is wrong, in words: no credentials (botocore found none), invalid bucket name (refused
-    by botocore's check or answered ``400`` / ``InvalidBucketName``), bucket does not exist
-    (``404``; a name outside S3's naming rules is said to be one), credentials refused
-    (``403``), else not reachable."""
+    says is wrong, in words: no credentials (botocore found none), invalid bucket name (answered
+    ``400`` / ``InvalidBucketName``: a name within :data:`BUCKET_NAME` the endpoint refuses
+    anyway, e.g. one formatted as an IP address; names outside it never get here), bucket does
+    not exist (``404``), credentials refused (``403``), else not reachable."""
     cause = exc.__cause__
     code = _error_code(cause) if cause is not None else ""
     if isinstance(cause, NoCredentialsError):
@@ -292,11 +286,9 @@ def _startup_problem(bucket: str, exc: BaseException) -> str:
             "no credentials: give access_key and secret_key, or set them for botocore's "
             "default chain (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, ~/.aws/credentials)"
         )
-    if isinstance(cause, ParamValidationError) or code in ("400", "InvalidBucketName"):
-        return f"invalid bucket name (S3 bucket names are {_BUCKET_RULE})"
+    if code in ("400", "InvalidBucketName"):
+        return f"invalid bucket name (S3 bucket names are {BUCKET_RULE})"
     if isinstance(exc, NotFoundError) or code == "NoSuchBucket":
-        if not _BUCKET_NAME.fullmatch(bucket):
-            return f"bucket does not exist, and its name is invalid ({_BUCKET_RULE})"
         return "bucket does not exist"
     if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
         return "access denied: the endpoint refused these credentials"
@@ -375,8 +367,7 @@ class S3Tier(SecondaryTier):
             max_queued_jobs=max_queued_jobs,
             probe_timeout_s=probe_timeout_s,
         )
-        if not bucket:
-            raise ConfigError("s3 tier needs a bucket")
+        check_bucket_name(bucket)
         if addressing_style not in ("auto", "path", "virtual"):
             raise ConfigError(
                 f"s3 addressing_style must be auto, path or virtual, not {addressing_style!r}"
@@ -469,7 +460,7 @@ class S3Tier(SecondaryTier):
         except (TierUnavailableError, TransferError) as exc:
             raise TierUnavailableError(
                 f"s3 tier {self.name!r}: bucket {self.bucket!r} at {self.endpoint}: "
-                f"{_startup_problem(self.bucket, exc)} ({exc})"
+                f"{_startup_problem(exc)} ({exc})"
             ) from exc
         await self._abort_orphan_uploads()
 

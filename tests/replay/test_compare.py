@@ -168,3 +168,20 @@ def test_cli_compare_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", "--compare-policies", "lru", "--capacities", "2"]) == 2
     assert main(["replay", "--compare-policies", "nope", "--requests", "5"]) == 2
     assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--compare-policies", "lru,arc,lru"], "policy 'lru' is given twice"),
+        (["--compare-policies", "lru", "--capacities", "0.1,0.1"], "capacity fraction 0.1 is"),
+    ],
+)
+def test_cli_compare_refuses_a_repeated_policy_or_capacity(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--compare-policies lru,lru`` printed the lru column twice: a repeated policy (or
+    capacity, a repeated row) is refused before any simulation, naming it."""
+    assert main(["replay", "--requests", "5", "--quiet", *argv]) == 2
+    out = capsys.readouterr()
+    assert f"kvcascade: error: {message}" in out.err and out.out == ""

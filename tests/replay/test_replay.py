@@ -463,6 +463,79 @@ def test_two_sizes_of_the_cpu_tier_are_refused(
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            [
+                "--fs-dir",
+                "/tmp/b",
+                "--config",
+                '{"secondary_tiers": [{"type": "fs", "root_dir": "/tmp/a"}]}',
+            ],
+            "--fs-dir /tmp/b and root_dir='/tmp/a' in --config's fs tier both set root_dir",
+        ),
+        (
+            [
+                "--fs-max-bytes",
+                "99999",
+                "--config",
+                '{"secondary_tiers": [{"type": "fs", "max_bytes": 88888}]}',
+            ],
+            "--fs-max-bytes 99999 and max_bytes=88888 in --config's fs tier both set max_bytes",
+        ),
+        (
+            ["--no-fs", "--cpu-blocks", "16", "--config", '{"cpu_blocks": 32}'],
+            "--cpu-blocks 16 and cpu_blocks=32 in --config both set cpu_blocks",
+        ),
+        (
+            ["--no-fs", "--gpu-blocks", "16", "--config", '{"gpu_blocks": 32}'],
+            "--gpu-blocks 16 and gpu_blocks=32 in --config both set gpu_blocks",
+        ),
+        (
+            ["--no-fs", "--eviction-policy", "arc", "--config", '{"eviction_policy": "lru"}'],
+            "--eviction-policy arc and eviction_policy='lru' in --config both set eviction_policy",
+        ),
+        (
+            [
+                "--no-fs",
+                "--valkey",
+                "redis://127.0.0.1:1",
+                "--config",
+                '{"secondary_tiers": [{"type": "valkey", "url": "redis://127.0.0.1:2"}]}',
+            ],
+            "--valkey redis://127.0.0.1:1 and url='redis://127.0.0.1:2' in --config's valkey "
+            "tier both set url",
+        ),
+    ],
+)
+def test_an_option_and_the_same_config_key_are_refused(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--fs-dir`` / ``--cpu-blocks`` (and every option that sets a ``--config`` key) used to
+    win silently over the same key in ``--config``: both given is refused, naming both, before
+    anything runs (as two sizes of the CPU tier are)."""
+    assert main(["replay", "--requests", "2", "--quiet", *argv]) == 2
+    out = capsys.readouterr()
+    assert f"kvcascade: error: {message}; give one of them" in out.err and out.out == ""
+
+
+def test_options_fill_in_what_config_leaves_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An option for a key ``--config`` does not set fills it in: ``--fs-dir`` gives the
+    directory of the fs tier of ``--config`` (with its ``max_bytes``), ``--cpu-blocks`` the
+    size beside ``--config``'s ``gpu_blocks``."""
+    fs_dir = tmp_path / "kv"
+    fs_dir.mkdir()
+    config = {"gpu_blocks": 64, "secondary_tiers": [{"type": "fs", "max_bytes": 1 << 22}]}
+    argv = ["replay", "--requests", "2", "--quiet", "--cpu-blocks", "32", "--fs-dir", str(fs_dir)]
+    assert main([*argv, "--config", json.dumps(config)]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert (rows["gpu blocks"], rows["cpu blocks"]) == ("64", "32")
+    assert list(fs_dir.glob("kvcascade-replay_*_r0/*/*/*.bin"))
+
+
 def test_cpu_bytes_to_use_from_config_sizes_the_cpu_tier(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -35,6 +35,7 @@ from tier_helpers import BLOCK, job, key, load, lookups, pattern, running, store
 import kvcascade as kc
 from kvcascade import LookupResult as R
 from kvcascade.ops import _build
+from kvcascade.replay.cli import main
 from kvcascade.tiers import base, fs
 from kvcascade.tiers._block_format import (
     FORMAT_VERSION,
@@ -418,7 +419,11 @@ async def test_corrupt_block_warnings_are_rate_limited_and_the_count_exact(
 
         for i in range(4):
             await corrupt(i)
-        [first] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        [first] = [  # (asyncio's debug-mode "Executing … took" lines are not ours)
+            r.getMessage()
+            for r in caplog.records
+            if r.levelname == "WARNING" and r.name.startswith("kvcascade")
+        ]
         assert first.startswith(f"tier fs: {tier.path_of(key(0))}: checksum mismatch")
         assert logged("WARNING") == [
             "(later corrupt blocks of this tier: one warning per 60 s at most)"
@@ -1078,6 +1083,89 @@ async def test_enospc_fails_cleanly_and_loads_keep_working(
             assert files(root, ".tmp") == []
 
 
+async def test_disk_full_mid_run_is_one_rate_limited_warning_and_clean_failures(
+    tmp_path: Path,
+    host: kc.HostBuffer,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A filesystem that fills mid-run (ENOSPC from the OS; the tier has no ``max_bytes``): one
+    warning naming the tier and its root_dir, later refusals debug lines then a summary at most
+    once per CORRUPT_WARNING_INTERVAL_S (as corrupt blocks), each refused block counted
+    (``disk_full_blocks``) and a clean store failure: no temp file, no partial or corrupt
+    block file, every stored block loads byte-exact."""
+    caplog.set_level(logging.DEBUG, logger="kvcascade.tiers.base")
+    with mounted(tmp_path / "mnt", "tmpfs", "size=128k") as root:
+        tier = make_tier(root, host, name="disk")
+        async with running(tier):
+            results = [await store(tier, host, [i], [i % 4]) for i in range(16)]
+            ok = [i for i, r in enumerate(results) if r.success]
+            refused = len(results) - len(ok)
+            assert ok == list(range(len(ok))) and refused >= 3
+            assert tier.counters["disk_full_blocks"] == refused
+
+            def logged(level: str) -> list[str]:
+                return [
+                    r.getMessage()
+                    for r in caplog.records
+                    if r.levelname == level
+                    and r.name == "kvcascade.tiers.base"
+                    and "is full" in r.getMessage()
+                ]
+
+            head = (
+                f"fs tier disk: root_dir {root} is full (No space left on device): 1 of 1 "
+                "blocks of a store not stored; stores fail until the filesystem has room (no "
+                "block is left partly written)"
+            )
+            assert logged("WARNING") == [
+                f"{head} (later refused blocks of this tier: one warning per 60 s at most)"
+            ]
+            assert logged("DEBUG") == [
+                f"{head} ({n} refused blocks since the last warning, {n + 1} in all)"
+                for n in range(1, refused)
+            ]
+            monkeypatch.setattr(base, "CORRUPT_WARNING_INTERVAL_S", 0.0)  # the interval is over
+            both = await store(tier, host, [ok[0], 99], [0, 1])  # a store hit and a refusal
+            assert not both.success and list(both.successful_keys or []) == [key(ok[0])]
+            assert logged("WARNING")[1:] == [
+                head.replace("1 of 1", "1 of 2")
+                + f" ({refused} refused blocks since the last warning, {refused + 1} in all)"
+            ]
+            assert files(root, ".tmp") == [] and tier.counters["corrupt_blocks"] == 0
+            assert {p.stat().st_size for p in files(root, ".bin")} == {file_size(BLOCK)}
+            assert (await load(tier, ok[:8], list(range(8, 8 + len(ok[:8]))))).success
+            assert [bytes(host.row(8 + n)) for n in range(len(ok[:8]))] == [
+                pattern(i) for i in ok[:8]
+            ]
+
+
+async def test_full_disk_at_start_is_not_called_full_when_eviction_makes_room(
+    tmp_path: Path, host: kc.HostBuffer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bounded tier whose files fill its filesystem exactly: restarted on it, the O_DIRECT
+    probe finds no room, which used to be logged as "is full: stores will fail" although each
+    store evicts a file first and succeeds. Now nothing says full, and every store is done."""
+    with mounted(tmp_path / "mnt", "tmpfs", "size=64k") as root:  # config.json + 5 block files
+        bound = 5 * file_size(BLOCK)
+        async with running(tier := make_tier(root, host, max_bytes=bound)):
+            for i in range(6):
+                assert (await store(tier, host, [i], [0])).success
+        assert os.statvfs(root).f_bavail == 0  # full: not even the probe's page fits
+        caplog.clear()
+        caplog.set_level(logging.INFO, logger="kvcascade")
+        again = make_tier(root, host, max_bytes=bound)
+        async with running(again):
+            for i in range(100, 105):
+                assert (await store(again, host, [i], [0])).success
+            assert (await load(again, [104], [5])).success and bytes(host.row(5)) == pattern(104)
+        assert again.counters["evictions"] == 5 and again.counters["disk_full_blocks"] == 0
+        messages = [r.getMessage() for r in caplog.records]
+        assert not [m for m in messages if " is full" in m or "stores will fail" in m]
+        if fs._O_DIRECT:
+            assert f"no room for the O_DIRECT probe in {again.data_dir}" in "\n".join(messages)
+
+
 async def test_read_only_filesystem_store_hits_and_misses(
     tmp_path: Path, host: kc.HostBuffer, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1114,6 +1202,30 @@ async def test_read_only_filesystem_store_hits_and_misses(
         async with running(reader):
             assert (await load(reader, [2], [11])).success
             assert bytes(host.row(11)) == pattern(2)
+
+
+def test_read_only_root_without_the_namespace_names_the_tier(
+    tmp_path: Path, host: kc.HostBuffer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tier on a read-only mount that does not hold its namespace yet cannot start: the error
+    (the OSError of the refused mkdir, EROFS) names the tier and its root_dir, and so does
+    ``kvcascade replay --fs-dir`` on it (it named only the namespace directory)."""
+    with mounted(tmp_path / "ro", "tmpfs", "size=64k,ro") as root:
+        with pytest.raises(OSError) as info:
+            make_tier(root, host, name="cold")
+        identity_dir = (root / mapper().config_relative_path()).parent  # created first
+        assert info.value.errno == errno.EROFS and info.value.filename == str(identity_dir)
+        assert str(info.value) == (
+            f"[Errno 30] fs tier 'cold': cannot create its namespace under root_dir {root} "
+            f"(Read-only file system): '{identity_dir}'"
+        )
+        argv = ["replay", "--requests", "2", "--quiet", "--fs-dir", str(root / "kv")]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"kvcascade: error: [Errno 30] fs tier 'fs': cannot create its namespace under "
+            f"root_dir {root / 'kv'} (Read-only file system): '{root / 'kv'}'\n"
+        )
 
 
 async def test_concurrent_writers_of_the_same_keys(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import collections
 import json
 import logging
 import os
+import re
 import sys
 import textwrap
 import time
@@ -297,21 +298,22 @@ def test_config_keys_aliases_and_no_secret_anywhere(
     bucket, a half credential pair and bad values are ConfigErrors; no secret in repr or
     messages."""
     ctx = TierContext(host, default_identity("test-model"))
-    tier = create_secondary_tier({"type": "obj", **tier_config("http://x:1", "b")}, ctx)
+    tier = create_secondary_tier({"type": "obj", **tier_config("http://x:1", "bkt")}, ctx)
     assert isinstance(tier, S3Tier) and tier.name == "obj"
     assert SECRET_KEY not in repr(tier) and SECRET_KEY not in repr(vars(tier))
     mapper = FileMapper(default_identity("test-model"))
     for cfg, message in [
-        ({"bucket": "b", "secret": "x"}, "unknown s3 tier keys \\['secret'\\]"),
+        ({"bucket": "bkt", "secret": "x"}, "unknown s3 tier keys \\['secret'\\]"),
         ({}, "needs 'bucket'"),
-        ({"bucket": "b", "secret_key": SECRET_KEY}, "both access_key and secret_key"),
-        ({"bucket": "b", "max_concurrency": 0}, "max_concurrency"),
-        ({"bucket": "b", "read_timeout_s": -1}, "read_timeout_s"),
-        ({"bucket": "b", "addressing_style": "sideways"}, "addressing_style"),
-        ({"bucket": "b", "access_key": "a", "secret_key": 5}, "must be a string, got a secret"),
-        ({"bucket": "b", "orphan_upload_age_s": -1}, "orphan_upload_age_s .*got -1"),
-        ({"bucket": "b", "orphan_upload_age_s": float("nan")}, "orphan_upload_age_s .*got nan"),
-        ({"bucket": "b", "orphan_upload_age_s": "1h"}, "orphan_upload_age_s .*got '1h'"),
+        ({"bucket": "My_Bucket"}, "s3 tier bucket 'My_Bucket' is not a valid bucket name"),
+        ({"bucket": "bkt", "secret_key": SECRET_KEY}, "both access_key and secret_key"),
+        ({"bucket": "bkt", "max_concurrency": 0}, "max_concurrency"),
+        ({"bucket": "bkt", "read_timeout_s": -1}, "read_timeout_s"),
+        ({"bucket": "bkt", "addressing_style": "sideways"}, "addressing_style"),
+        ({"bucket": "bkt", "access_key": "a", "secret_key": 5}, "must be a string, got a secret"),
+        ({"bucket": "bkt", "orphan_upload_age_s": -1}, "orphan_upload_age_s .*got -1"),
+        ({"bucket": "bkt", "orphan_upload_age_s": float("nan")}, "orphan_upload_age_s .*got nan"),
+        ({"bucket": "bkt", "orphan_upload_age_s": "1h"}, "orphan_upload_age_s .*got '1h'"),
     ]:
         with pytest.raises(kc.ConfigError, match=message) as info:
             s3_tier_from_config(host, mapper, cfg)
@@ -344,8 +346,6 @@ async def test_startup_probe_names_bucket_endpoint_and_code(
     ("name", "credentials", "problem"),
     [
         ("no-such-bucket", True, ": bucket does not exist (s3 head_bucket: 404)"),
-        ("Bad/Name", True, ": invalid bucket name (S3 bucket names are 3-63 lowercase letters"),
-        ("bad_name", True, ": bucket does not exist, and its name is invalid (3-63 lowercase"),
         ("kvcascade-any", False, ": no credentials: give access_key and secret_key, or set"),
     ],
 )
@@ -358,8 +358,8 @@ async def test_startup_error_says_what_is_wrong(
     problem: str,
 ) -> None:
     """Issue #21 item 10: against the real server the start-up error says "bucket does not
-    exist", "invalid bucket name" (botocore's check, or a 404 for a name outside S3's rules) or
-    "no credentials" (botocore's default chain finds none), not "not reachable"."""
+    exist" or "no credentials" (botocore's default chain finds none), not "not reachable" (a
+    name outside S3's rules never gets there: the next test)."""
     for var in [v for v in os.environ if v.startswith("AWS_")]:
         monkeypatch.delenv(var)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
@@ -374,6 +374,38 @@ async def test_startup_error_says_what_is_wrong(
     text = str(info.value)
     assert text.startswith(f"s3 tier 's3': bucket {name!r} at {moto.endpoint}{problem}")
     assert "not reachable" not in text and SECRET_KEY not in text
+
+
+@pytest.mark.parametrize(
+    "name", ["ab", "a" * 64, "Bad-Name", "bad_name", "Bad/Name", "-start", "end-", ".dot", ""]
+)
+def test_bad_bucket_name_is_refused_when_the_config_is_built(
+    host: kc.HostBuffer, name: str
+) -> None:
+    """A bucket name outside S3's rules (3-63 lowercase letters, digits, dots, hyphens;
+    alphanumeric at both ends) is a ConfigError naming it when the CascadeConfig is built and
+    when the tier is constructed, before any request: the endpoint is a port where nothing
+    listens, and nothing is asked of it."""
+    rule = "is not a valid bucket name (3-63 lowercase letters, digits, dots or hyphens"
+    cfg = tier_config(f"http://127.0.0.1:{free_port()}", name)
+    with pytest.raises(kc.ConfigError, match=re.escape(f"s3 tier bucket {name!r} {rule}")):
+        kc.CascadeConfig(
+            block_bytes=BLOCK,
+            cpu_blocks=4,
+            model_name="test-model",
+            secondary_tiers=[{"type": "s3", **cfg}],
+        )
+    with pytest.raises(kc.ConfigError, match=re.escape(f"s3 tier bucket {name!r} {rule}")):
+        S3Tier(host, FileMapper(default_identity("test-model")), name)
+
+
+@pytest.mark.parametrize("name", ["abc", "a" * 63, "my.bucket-2", "0kv"])
+def test_good_bucket_names_are_accepted(name: str) -> None:
+    cfg = tier_config("http://127.0.0.1:9", name)
+    config = kc.CascadeConfig(
+        block_bytes=BLOCK, cpu_blocks=4, model_name="m", secondary_tiers=[{"type": "obj", **cfg}]
+    )
+    assert config.secondary_tiers[0]["bucket"] == name
 
 
 async def test_corrupt_object_is_deleted_and_counted(
@@ -721,6 +753,7 @@ def replay_config(s3: dict[str, Any], fs_dir: Path) -> kc.CascadeConfig:
     )
 
 
+@pytest.mark.usefixtures("frozen_heap")  # full collections: tests/conftest.py
 async def test_server_killed_and_restarted_during_a_replay(
     killable: MotoServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

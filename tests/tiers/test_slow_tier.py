@@ -106,6 +106,7 @@ async def look(cascade: kc.Cascade, keys: list[bytes], name: str) -> list[str]:
     return found.tiers
 
 
+@pytest.mark.usefixtures("frozen_heap")  # full collections: tests/conftest.py
 async def test_hung_endpoint_answers_miss_fast_then_recovers(
     moto: MotoServer, bucket: str, tmp_path: Path, quick_recheck: None, caplog: Any
 ) -> None:

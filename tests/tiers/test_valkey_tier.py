@@ -232,6 +232,41 @@ async def test_missing_block_is_a_clean_miss_and_the_batch_reports_what_loaded(
         assert tier.counters["missing_blocks"] == 1 and tier.counters["errors"] == 0
 
 
+async def test_value_gone_between_lookup_and_load_is_a_debug_miss_errors_stay_warnings(
+    server: Server, host: kc.HostBuffer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A value the server dropped after the lookup said HIT (``DEL`` on the server, as its
+    eviction does) fails its load as a miss: counted (``missing_blocks``), a debug line, no
+    warning (it used to be the tier's first-failure warning). A real error after it, a value
+    of the wrong type (``WRONGTYPE``), is still the warning of the first failed load; in a job
+    with both, the error is the one named."""
+    caplog.set_level(logging.DEBUG, logger="kvcascade")
+    tier = make_tier(server.url, host)
+    client = sync_client(server.url)
+    async with running(tier):
+        assert (await store(tier, host, [0, 1, 2], [0, 1, 2])).success
+        ctx = kc.ReqContext("r")
+        assert await lookups(tier, [key(0), key(1), key(2)], ctx) == [R.HIT] * 3
+        client.delete(tier.object_key(key(0)))  # evicted between lookup and load
+        assert not (await load(tier, [0], [5])).success
+        assert tier.counters["missing_blocks"] == 1 and tier.counters["load_failures"] == 1
+        records = [r for r in caplog.records if "load_failures so far" in r.getMessage()]
+        assert [r.levelname for r in records] == ["DEBUG"]
+        assert "valkey GET: no value under" in records[0].getMessage()
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+        client.delete(tier.object_key(key(1)), tier.object_key(key(2)))
+        client.rpush(tier.object_key(key(2)), b"not a block")  # WRONGTYPE for GET
+        caplog.clear()
+        assert not (await load(tier, [1, 2], [6, 7])).success
+        [warning] = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        message = warning.getMessage()
+        assert "valkey load of block 1 failed: valkey GET failed (ResponseError)" in message
+        assert message.endswith("(load_failures so far: 2)")
+        assert tier.counters["missing_blocks"] == 2
+    client.close()
+
+
 async def test_corrupt_foreign_or_short_value_is_a_miss_and_deleted(
     server: Server, host: kc.HostBuffer
 ) -> None:

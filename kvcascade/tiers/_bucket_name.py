@@ -1,0 +1,43 @@
+"""S3's naming rule for buckets, checked before any request (docs/s3-tier.md, Configuration).
+
+A bucket name outside the rule used to reach the endpoint, which answered ``400`` or, for some
+names, ``404`` (as a bucket that does not exist), only at start-up. Checked here, with no import
+of aiobotocore (seconds to import), so that :class:`~kvcascade.CascadeConfig` refuses such a
+name when it is built (``kvcascade/tiers/registry.py``, ``check_tier_config``) and the s3 tier
+when it is constructed.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from .._errors import ConfigError
+
+BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+"""A bucket name S3 accepts: 3–63 lowercase letters, digits, dots and hyphens, starting and
+ending with a letter or a digit (AWS's "General purpose bucket naming rules")."""
+BUCKET_RULE = "3-63 lowercase letters, digits, dots or hyphens, starting and ending alphanumeric"
+
+
+def check_bucket_name(bucket: object) -> str:
+    """``bucket`` when it is a bucket name S3 accepts (:data:`BUCKET_NAME`).
+
+    Raises:
+        ConfigError: ``bucket`` is not a string, or breaks the rule (the value is named).
+    """
+    if not isinstance(bucket, str) or not BUCKET_NAME.fullmatch(bucket):
+        raise ConfigError(f"s3 tier bucket {bucket!r} is not a valid bucket name ({BUCKET_RULE})")
+    return bucket
+
+
+def check_s3_bucket_config(cfg: dict[str, Any], block_bytes: int) -> None:
+    """The check of an s3 ``secondary_tiers`` entry at :class:`~kvcascade.CascadeConfig`
+    construction: its ``bucket``, when given (a missing one is refused by the tier's factory,
+    with the other keys).
+
+    Raises:
+        ConfigError: see :func:`check_bucket_name`.
+    """
+    if cfg.get("bucket") is not None:
+        check_bucket_name(cfg["bucket"])
