@@ -410,6 +410,11 @@ def test_a_trace_without_line_ends_is_a_clear_error(
     ("argv", "message"),
     [
         (["--gpu-blocks", "99999999999999"], "lower gpu_blocks"),
+        (
+            ["--no-fs", "--gpu-blocks", str(10**20)],
+            f"gpu_blocks={10**20} × block_bytes=4096 = {4096 * 10**20:,} B of device KV cache "
+            "is beyond any device (2**63 B); lower gpu_blocks or block_bytes",
+        ),
         (["--cpu-blocks", "99999999999999"], "lower cpu_blocks"),
         (["--config", '{"secondary_tiers": [{"type": "memory", "bogus": 1}]}'], "bogus"),
     ],
