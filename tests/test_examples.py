@@ -146,6 +146,14 @@ async def test_aiohttp_server_example_serves_concurrent_requests(tmp_path: Path)
             async with session.post(f"{base}/generate", data=b"{not json") as resp:
                 assert resp.status == 400
                 assert "body is not JSON" in await resp.text()
+            deep = b"[" * 100_000 + b"]" * 100_000  # was a 500: RecursionError in the decoder
+            async with session.post(f"{base}/generate", data=deep) as resp:
+                assert resp.status == 400
+                assert "body is not JSON (maximum recursion depth exceeded" in await resp.text()
+            bools = {"tokens": [1, True, False]}  # bools are ints in Python, not token ids
+            async with session.post(f"{base}/generate", json=bools) as resp:
+                assert resp.status == 400
+                assert (await resp.text()).startswith("tokens[1] is true, not a token id")
     finally:
         proc.terminate()
         _, err = await asyncio.to_thread(proc.communicate, None, 60)
