@@ -16,8 +16,8 @@ are looked up, the cached prefix is loaded into the request's blocks (in parts w
 has fewer free slots than the prefix has blocks) and checked against the bytes its prefill
 would compute, the rest is "prefilled" (written into the engine's tensor
 from the tokens) and stored. Answer: ``{"blocks", "cached", "tiers", "verified"}``; a body
-that is not such JSON (also one nested too deep to decode, or a token that is `true` or
-`false`: JSON booleans are no token ids) is answered 400 with what was wrong.
+that is not such JSON (also one nested too deep to decode, or a token that is ``true`` or
+``false``: JSON booleans are no token ids) is answered 400 with what was wrong.
 ``GET /stats``: ``{"served", "blocks", "bytes", "tiers", "failures"}`` — requests served; the
 prompt blocks asked for, found cached, loaded per tier and stored; the bytes loaded into and
 stored from the engine's tensor; per tier the lookups, hits and bytes promoted from / cascaded
