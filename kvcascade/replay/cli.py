@@ -46,6 +46,14 @@ def _positive_int(text: str) -> int:
     return _int(text, 1)
 
 
+def _nonempty(text: str) -> str:
+    """A string option's value: an empty one (``--fs-dir ''``, an unset shell variable) is
+    refused rather than read as "not given"."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a value, got ''")
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcascade", description="Three-tier KV cache tools.")
     parser.add_argument("--version", action="version", version=f"kvcascade {_version()}")
@@ -56,7 +64,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Replay a Mooncake-format trace through the cascade (default: the bundled "
         "Mooncake conversation trace).",
     )
-    rp.add_argument("trace", nargs="?", help="JSONL trace (default: bundled Mooncake trace)")
+    rp.add_argument(
+        "trace", nargs="?", type=_nonempty, help="JSONL trace (default: bundled Mooncake trace)"
+    )
     rp.add_argument("--requests", type=_positive_int, help="replay only the first N requests")
     rp.add_argument(
         "--gpu-blocks",
@@ -75,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     rp.add_argument(
         "--fs-dir",
+        type=_nonempty,
         help="fs tier directory, created with a warning if missing (default: a temporary "
         "directory)",
     )
@@ -87,28 +98,39 @@ def _parser() -> argparse.ArgumentParser:
     )
     rp.add_argument(
         "--s3-bucket",
+        type=_nonempty,
         help="add an s3 tier on this bucket, after the fs tier (credentials: the AWS default "
         "chain, e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)",
     )
     rp.add_argument(
         "--s3-endpoint",
+        type=_nonempty,
         metavar="URL",
         help="S3 endpoint of the s3 tier, e.g. http://127.0.0.1:9000 for MinIO (default: AWS)",
     )
     rp.add_argument(
         "--valkey",
+        type=_nonempty,
         metavar="URL",
         help="add a valkey tier on this Valkey / Redis server, e.g. redis://127.0.0.1:6379, "
         "after the other tiers (a password goes in --config's 'password'; docs/valkey-tier.md)",
     )
     rp.add_argument(
         "--eviction-policy",
+        type=_nonempty,
         help="CPU tier eviction policy (default adaptive; lru, arc, turn_aware, …)",
     )
-    rp.add_argument("--config", help="JSON object (or @file) of kv_connector_extra_config keys")
-    rp.add_argument("--json", dest="json_path", help="write the report as JSON to this path")
+    rp.add_argument(
+        "--config",
+        type=_nonempty,
+        help="JSON object (or @file) of kv_connector_extra_config keys",
+    )
+    rp.add_argument(
+        "--json", dest="json_path", type=_nonempty, help="write the report as JSON to this path"
+    )
     rp.add_argument(
         "--plot",
+        type=_nonempty,
         metavar="PATH",
         help="write a PNG: hit ratio over the run per tier, bytes moved per link (needs "
         "matplotlib: pip install 'kvcascade[plot]')",
@@ -116,18 +138,21 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--quiet", action="store_true", help="no progress bar")
     rp.add_argument(
         "--compare-policies",
+        type=_nonempty,
         metavar="P1,P2,…",
         help="instead of the byte-exact replay, compare eviction policies (bookkeeping only) "
         "against Belady's OPT, e.g. lru,arc,turn_aware; see docs/policies.md",
     )
     rp.add_argument(
         "--capacities",
+        type=_nonempty,
         default=None,
         help="with --compare-policies: cache sizes as fractions of the trace's unique blocks "
         "(default 0.01,0.05,0.1)",
     )
     rp.add_argument(
         "--hints",
+        type=_nonempty,
         default=None,
         help="with --compare-policies: 'none' or 'oracle[:noise]' — continues-hints read off "
         "the trace, a fraction 'noise' of them flipped (seeded by --seed)",
@@ -181,7 +206,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load_config_arg(text: str | None) -> dict[str, Any]:
-    if not text:
+    if text is None:
         return {}
     source = "--config"
     if text.startswith("@"):
@@ -391,6 +416,21 @@ def _progress(
 
 
 _COMPARE_ONLY = {"capacities": "--capacities", "hints": "--hints", "seed": "--seed"}
+#: The byte-exact replay's options: the comparison simulates one cache level of its own
+#: (docs/policies.md), with no tiers, sizes, policy option or plot of the replay.
+_REPLAY_ONLY = {
+    "gpu_blocks": "--gpu-blocks",
+    "cpu_blocks": "--cpu-blocks",
+    "block_bytes": "--block-bytes",
+    "fs_dir": "--fs-dir",
+    "fs_max_bytes": "--fs-max-bytes",
+    "s3_bucket": "--s3-bucket",
+    "s3_endpoint": "--s3-endpoint",
+    "valkey": "--valkey",
+    "eviction_policy": "--eviction-policy",
+    "config": "--config",
+    "plot": "--plot",
+}
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -428,8 +468,10 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    if args.plot:
-        raise ConfigError("--plot: only meaningful without --compare-policies")
+    given = [flag for name, flag in _REPLAY_ONLY.items() if getattr(args, name) is not None]
+    given += ["--no-fs"] if args.no_fs else []
+    if given:
+        raise ConfigError(f"{', '.join(given)}: only meaningful without --compare-policies")
     _check_writable(args.json_path)
     from .compare import compare, format_comparison
     from .trace import bundled_trace, read_trace
@@ -444,8 +486,12 @@ def _compare(args: argparse.Namespace) -> int:
             f"--capacities must be comma-separated numbers, got {args.capacities!r}"
         ) from None
     policies = [p.strip() for p in args.compare_policies.split(",") if p.strip()]
-    if not policies or not fractions:
-        raise ConfigError("--compare-policies and --capacities need at least one entry each")
+    for flag, entries, text in (
+        ("--compare-policies", policies, args.compare_policies),
+        ("--capacities", fractions, args.capacities),
+    ):
+        if not entries:
+            raise ConfigError(f"{flag} needs at least one entry, got {text!r}")
     trace = read_trace(args.trace or bundled_trace(), limit=args.requests)
     runs = len(trace) * len(policies) * len(fractions)
     try:
@@ -562,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        if args.command == "replay" and args.compare_policies:
+        if args.command == "replay" and args.compare_policies is not None:
             return _compare(args)
         if args.command == "replay":
             return _replay(args)

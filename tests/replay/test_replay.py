@@ -242,6 +242,68 @@ def test_bad_input_is_one_clear_error(
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--compare-policies", ""],  # ran the whole byte-exact replay
+        ["--fs-dir", ""],  # used a temporary directory
+        ["--config", ""],  # ran without the configuration
+        ["--valkey", ""],  # ran without the valkey tier
+        [""],  # the trace: replayed the bundled one
+    ],
+)
+def test_an_empty_option_value_is_refused_naming_the_option(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty value (an unset shell variable) was read as the option not given."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["replay", "--requests", "2", "--quiet", *argv])
+    assert exit_.value.code == 2
+    name = argv[0] if argv[0] else "trace"
+    assert f"kvcascade replay: error: argument {name}: expected a value, got ''" in (
+        capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--fs-dir", "X"], "--fs-dir: only meaningful without --compare-policies"),
+        (
+            ["--valkey", "redis://127.0.0.1:1", "--no-fs"],
+            "--valkey, --no-fs: only meaningful without --compare-policies",
+        ),
+        (
+            ["--cpu-blocks", "8", "--config", "{}", "--eviction-policy", "arc"],
+            "--cpu-blocks, --eviction-policy, --config: only meaningful without",
+        ),
+        (["--plot", "p.png"], "--plot: only meaningful without --compare-policies"),
+    ],
+)
+def test_replay_options_are_refused_with_compare_policies(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The comparison simulates one cache level of its own: the tier and size options of the
+    byte-exact replay were silently ignored (as ``--hints`` without it is refused)."""
+    assert main(["replay", "--requests", "2", "--quiet", "--compare-policies", "lru", *argv]) == 2
+    out = capsys.readouterr()
+    assert f"kvcascade: error: {message}" in out.err and out.out == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--compare-policies", ","], "--compare-policies needs at least one entry, got ','"),
+        (["--compare-policies", "lru", "--capacities", " ,"], "--capacities needs at least "),
+    ],
+)
+def test_a_list_of_no_entries_is_refused_naming_the_option(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["replay", "--requests", "2", "--quiet", *argv]) == 2
+    assert f"kvcascade: error: {message}" in capsys.readouterr().err
+
+
 def test_malformed_trace_line_names_line(tmp_path: Path) -> None:
     bad = tmp_path / "t.jsonl"
     bad.write_text('{"hash_ids": [1, 2]}\n{"hash_ids": [3, -4]}\n')
@@ -723,7 +785,6 @@ def test_plot_without_matplotlib_is_a_clear_error_before_the_run(
     [
         (["--plot", "/nonexistent-dir/p.png"], "--plot /nonexistent-dir/p.png: directory"),
         (["--json", "/tmp"], "--json /tmp: is a directory"),
-        (["--compare-policies", "lru", "--plot", "p.png"], "--plot: only meaningful without"),
     ],
 )
 def test_report_paths_are_checked_before_running(
