@@ -240,7 +240,8 @@ def build_replay_config(
 
     Raises:
         ConfigError: a bad ``--config``, an option that needs a tier not configured, an option
-            whose key ``--config`` sets too (both named), or two sizes of the CPU tier
+            whose key ``--config`` sets too (both named), ``--no-fs`` with an fs tier in
+            ``--config``, or two sizes of the CPU tier
             (``--cpu-blocks`` or ``cpu_blocks`` with ``cpu_bytes_to_use``), besides what
             :class:`~kvcascade.CascadeConfig` refuses.
     """
@@ -250,8 +251,14 @@ def build_replay_config(
     tiers = extra.get("secondary_tiers")
     if tiers is None:
         tiers = [] if args.no_fs else [{"type": "fs"}]
-    elif args.no_fs and isinstance(tiers, list):
-        tiers = [t for t in tiers if not (isinstance(t, dict) and t.get("type") == "fs")]
+    elif (
+        args.no_fs
+        and isinstance(tiers, list)
+        and any(isinstance(t, dict) and t.get("type") == "fs" for t in tiers)
+    ):
+        raise ConfigError(
+            "--no-fs and an fs tier in --config's secondary_tiers both given; give one of them"
+        )
     if "cpu_bytes_to_use" in extra and (args.cpu_blocks is not None or "cpu_blocks" in extra):
         given = (
             f"--cpu-blocks {args.cpu_blocks}"
@@ -308,7 +315,8 @@ def _fill_tier_options(args: argparse.Namespace, tiers: list[Any]) -> None:
     """The fs, s3 and valkey options into the first tier of their type (:func:`_fill`).
 
     Raises:
-        ConfigError: an fs option without an fs tier, ``--s3-endpoint`` without
+        ConfigError: an fs option with ``--no-fs`` or without an fs tier in ``--config``'s
+            ``secondary_tiers``, ``--s3-endpoint`` without
             ``--s3-bucket``, or an option whose key the tier's entry sets too.
     """
 
@@ -326,8 +334,13 @@ def _fill_tier_options(args: argparse.Namespace, tiers: list[Any]) -> None:
         if value is None:
             continue
         fs = first(("fs",), add=False)
+        if fs is None and args.no_fs:
+            raise ConfigError(f"{flag} and --no-fs both given; give one of them")
         if fs is None:
-            raise ConfigError(f"{flag} given but no fs tier is configured (drop --no-fs)")
+            raise ConfigError(
+                f"{flag} given but --config's secondary_tiers has no fs tier; add one "
+                '({"type": "fs"}) or drop ' + flag
+            )
         _fill(fs, key, value, flag, "'s fs tier")
     if args.s3_endpoint and not args.s3_bucket:
         raise ConfigError("--s3-endpoint needs --s3-bucket")

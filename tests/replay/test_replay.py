@@ -423,9 +423,31 @@ def test_fs_max_bytes_bounds_the_fs_tier(tmp_path: Path) -> None:
     assert report["corrupt_blocks"] == 0
 
 
-def test_fs_max_bytes_needs_an_fs_tier(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["replay", "--requests", "2", "--no-fs", "--fs-max-bytes", "100"]) == 2
-    assert "--fs-max-bytes" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--no-fs", "--fs-max-bytes", "100"],
+            "--fs-max-bytes and --no-fs both given; give one of them",
+        ),
+        (
+            ["--config", '{"secondary_tiers": [{"type": "memory"}]}', "--fs-dir", "X"],
+            "--fs-dir given but --config's secondary_tiers has no fs tier; add one "
+            '({"type": "fs"}) or drop --fs-dir',
+        ),
+        (  # the configured fs tier was silently dropped
+            ["--config", '{"secondary_tiers": [{"type": "fs", "root_dir": "X"}]}', "--no-fs"],
+            "--no-fs and an fs tier in --config's secondary_tiers both given; give one of them",
+        ),
+    ],
+)
+def test_fs_options_need_an_fs_tier(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each message says what is true: it used to say "drop --no-fs" without --no-fs given."""
+    assert main(["replay", "--requests", "2", "--quiet", *argv]) == 2
+    out = capsys.readouterr()
+    assert out.err == f"kvcascade: error: {message}\n" and out.out == ""
 
 
 def test_credentials_never_reach_reports_or_reprs() -> None:
