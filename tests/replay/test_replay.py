@@ -219,7 +219,14 @@ def test_json_report_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         (["replay", "--requests", "2", "--config", '{"cpu_bytes": 1}'], "cpu_bytes"),
         (["replay", "--requests", "2", "--config", "{not json"], "not valid JSON"),
         (["replay", "--requests", "2", "--eviction-policy", "nope"], "nope"),
-        (["replay", "--requests", "2", "--gpu-blocks", "3"], "gpu_blocks=3"),
+        (
+            ["replay", "--requests", "2", "--gpu-blocks", "3"],
+            "gpu_blocks=3 cannot hold the longest request (15 blocks); give gpu_blocks 15 or more",
+        ),
+        (  # said "use --gpu-blocks 5", an option not used
+            ["replay", "--requests", "2", "--config", '{"gpu_blocks": 3}'],
+            "gpu_blocks=3 cannot hold the longest request (15 blocks); give gpu_blocks 15 or more",
+        ),
         (
             ["replay", "--requests", "2", "--config", '{"secondary_tiers": [{"type": "tape"}]}'],
             "tape",
