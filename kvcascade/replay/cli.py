@@ -181,7 +181,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Show every kvcascade namespace under an fs tier's root_dir: its identity "
         "(config.json), block files, bytes, oldest/newest block and leftover temp files.",
     )
-    ins.add_argument("root", help="the fs tier's root_dir")
+    ins.add_argument("root", type=_nonempty, help="the fs tier's root_dir")
     ins.add_argument("--json", dest="json_path", help="also write the listing as JSON here")
     pur = sub.add_parser(
         "purge",
@@ -190,7 +190,7 @@ def _parser() -> argparse.ArgumentParser:
         "--older-than whole namespaces go (config.json included). An engine running on the "
         "directory treats a removed block as a miss.",
     )
-    pur.add_argument("root", help="the fs tier's root_dir")
+    pur.add_argument("root", type=_nonempty, help="the fs tier's root_dir")
     pur.add_argument(
         "--namespace",
         action="append",
@@ -620,17 +620,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    commands = {"replay": _replay, "calibrate": _calibrate, "inspect": _inspect, "purge": _purge}
+    command = commands[args.command]
+    if command is _replay and args.compare_policies is not None:
+        command = _compare
     try:
-        if args.command == "replay" and args.compare_policies is not None:
-            return _compare(args)
-        if args.command == "replay":
-            return _replay(args)
-        if args.command == "calibrate":
-            return _calibrate(args)
-        if args.command == "inspect":
-            return _inspect(args)
-        if args.command == "purge":
-            return _purge(args)
+        code = command(args)
+        sys.stdout.flush()  # a reader gone away (`| head`) shows here, not at exit
+        return code
+    except BrokenPipeError:
+        # Quiet, as CLIs are when their reader goes away; stdout to /dev/null so that the
+        # interpreter's flush at exit does not fail a second time.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except KVCascadeError as exc:
         print(f"kvcascade: error: {exc}", file=sys.stderr)
         return 2
@@ -640,7 +642,6 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("kvcascade: interrupted", file=sys.stderr)
         return 130
-    return 2
 
 
 if __name__ == "__main__":
