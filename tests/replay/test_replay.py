@@ -237,6 +237,11 @@ def test_json_report_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         ),
         (["replay", "--requests", "2", "--capacities", "0"], "--capacities: only meaningful"),
         (["replay", "--compare-policies", "lru", "--hints", "oracle:2"], "within [0, 1], got 2"),
+        (  # printed a row of a 0-block cache
+            ["replay", "--requests", "20", "--compare-policies", "lru", "--capacities", "1e-05"],
+            "capacity fraction 1e-05 of the trace's 560 unique blocks is 0 blocks; give at least "
+            "1/560",
+        ),
         (["replay", "--requests", "2", "--fs-dir", "/dev/null"], "exists and is not a directory"),
     ],
 )
