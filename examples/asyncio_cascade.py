@@ -62,9 +62,9 @@ async def main(fs_dir: str) -> None:
     )
     tokens = list(range(8 * 16))  # a prompt of 8 blocks of 16 tokens
     keys = [kc.make_offload_key(block_hash(tokens[: (i + 1) * 16]), 0) for i in range(8)]
-    expected = torch.stack([block_kv(key, config.block_bytes) for key in keys])
     async with kc.open_cascade(config) as cascade:
         kv = cascade.device.kv  # int8 (gpu_blocks, block_bytes)
+        expected = torch.stack([block_kv(key, config.block_bytes) for key in keys]).to(kv.device)
 
         writer = kc.ReqContext("prefill-1")
         cached = await load_prefix(cascade, keys, writer, 0)  # an earlier run's blocks
