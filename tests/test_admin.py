@@ -105,6 +105,17 @@ def test_purge_refuses_without_a_filter_and_names_bad_values(
     assert f"kvcascade: error: '{root / 'file'}' is not a directory" in capsys.readouterr().err
 
 
+def test_an_empty_age_is_refused_not_read_as_no_filter(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``purge --all --older-than "$AGE"`` with AGE unset removed every block."""
+    before = {u.name: u.blocks for u in inspect_root(root)}
+    with pytest.raises(SystemExit):
+        main(["purge", str(root), "--all", "--older-than", ""])
+    assert "argument --older-than: expected a value, got ''" in capsys.readouterr().err
+    assert {u.name: u.blocks for u in inspect_root(root)} == before
+
+
 def test_inspect_into_a_closed_pipe_exits_quietly(root: Path) -> None:
     """``kvcascade inspect DIR | head -2`` ended with ``kvcascade: error: [Errno 32] Broken
     pipe``: a reader gone away ends the command without a word, status 128 + SIGPIPE as a

@@ -182,7 +182,9 @@ def _parser() -> argparse.ArgumentParser:
         "(config.json), block files, bytes, oldest/newest block and leftover temp files.",
     )
     ins.add_argument("root", type=_nonempty, help="the fs tier's root_dir")
-    ins.add_argument("--json", dest="json_path", help="also write the listing as JSON here")
+    ins.add_argument(
+        "--json", dest="json_path", type=_nonempty, help="also write the listing as JSON here"
+    )
     pur = sub.add_parser(
         "purge",
         help="remove block files of an fs tier directory by namespace and age",
@@ -194,10 +196,14 @@ def _parser() -> argparse.ArgumentParser:
     pur.add_argument(
         "--namespace",
         action="append",
+        type=_nonempty,
         help="only this namespace (as `kvcascade inspect` lists it); repeat for several",
     )
     pur.add_argument(
-        "--older-than", metavar="AGE", help="only blocks not written for AGE (e.g. 90m, 12h, 7d)"
+        "--older-than",
+        type=_nonempty,
+        metavar="AGE",
+        help="only blocks not written for AGE (e.g. 90m, 12h, 7d)",
     )
     pur.add_argument(
         "--all", action="store_true", help="every namespace (needed when no filter is given)"
