@@ -16,7 +16,8 @@ are looked up, the cached prefix is loaded into the request's blocks (in parts w
 has fewer free slots than the prefix has blocks) and checked against the bytes its prefill
 would compute, the rest is "prefilled" (written into the engine's tensor
 from the tokens) and stored. Answer: ``{"blocks", "cached", "tiers", "verified"}``; a body
-that is not such JSON is answered 400 with what was wrong.
+that is not such JSON (also one nested too deep to decode, or a token that is ``true`` or
+``false``: JSON booleans are no token ids) is answered 400 with what was wrong.
 ``GET /stats``: ``{"served", "blocks", "bytes", "tiers", "failures"}`` — requests served; the
 prompt blocks asked for, found cached, loaded per tier and stored; the bytes loaded into and
 stored from the engine's tensor; per tier the lookups, hits and bytes promoted from / cascaded
@@ -30,6 +31,7 @@ import argparse
 import asyncio
 import collections
 import hashlib
+import json
 import tempfile
 from collections.abc import AsyncIterator
 
@@ -106,13 +108,19 @@ async def generate(request: web.Request) -> web.Response:
     cascade, engine = request.app[CASCADE], request.app[ENGINE]
     try:
         body = await request.json()
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to decode
         raise web.HTTPBadRequest(
             text=f'body is not JSON ({exc}); expected {{"tokens": [int, ...]}}'
         ) from None
     tokens = body.get("tokens") if isinstance(body, dict) else None
-    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+    if not isinstance(tokens, list):
         raise web.HTTPBadRequest(text='expected {"tokens": [int, ...]}')
+    for i, token in enumerate(tokens):
+        if not isinstance(token, int) or isinstance(token, bool):  # JSON true is no token id
+            raise web.HTTPBadRequest(
+                text=f"tokens[{i}] is {json.dumps(token)}, not a token id; "
+                'expected {"tokens": [int, ...]}'
+            )
     keys = block_keys(tokens)
     if len(keys) > GPU_BLOCKS:
         raise web.HTTPBadRequest(text=f"at most {GPU_BLOCKS * BLOCK_TOKENS} tokens")

@@ -3,7 +3,11 @@ byte-exact from the fs tier — the awaitable API an asyncio serving stack uses.
 
     python examples/asyncio_cascade.py [FS_DIR]
 
-(On a machine without a GPU the "device" KV cache is a CPU tensor standing in for HBM.)
+Run it twice on one FS_DIR: the second run finds the first run's blocks (a restart hit) and
+loads them instead of storing them again. A block's KV bytes are a function of its key, as an
+engine's KV is a function of the token prefix the key hashes, so every run can check every
+loaded byte. (On a machine without a GPU the "device" KV cache is a CPU tensor standing in for
+HBM.)
 """
 
 from __future__ import annotations
@@ -23,6 +27,31 @@ def block_hash(prefix: list[int]) -> bytes:
     return hashlib.sha256(repr(prefix).encode()).digest()[:16]
 
 
+def block_kv(key: bytes, block_bytes: int) -> torch.Tensor:
+    """The KV bytes of the block of ``key``: the same in every run."""
+    gen = torch.Generator().manual_seed(int.from_bytes(key[:8], "big"))
+    return torch.randint(-128, 128, (block_bytes,), dtype=torch.int8, generator=gen)
+
+
+async def load_prefix(
+    cascade: kc.Cascade, keys: list[bytes], ctx: kc.ReqContext, first_gpu_id: int
+) -> int:
+    """Load the longest cached prefix of ``keys`` into GPU blocks from ``first_gpu_id`` on;
+    each promotion needs a CPU slot, so 4 slots bring 8 blocks back in 2 parts."""
+    done = 0
+    while done < len(keys):
+        found = await cascade.lookup_prefix(keys[done:], ctx)
+        if not found.num_hits:
+            break
+        gpu_ids = list(range(first_gpu_id + done, first_gpu_id + done + found.num_hits))
+        loaded = await cascade.load(found.keys, ctx, gpu_ids)
+        assert loaded.loaded == found.num_hits
+        last = done + found.num_hits - 1
+        print(f"{ctx.req_id}: prefix hit: blocks {done}-{last} from {found.tiers}")
+        done += loaded.loaded
+    return done
+
+
 async def main(fs_dir: str) -> None:
     config = kc.CascadeConfig(
         block_bytes=16 * 1024,  # KV bytes per block
@@ -35,30 +64,24 @@ async def main(fs_dir: str) -> None:
     keys = [kc.make_offload_key(block_hash(tokens[: (i + 1) * 16]), 0) for i in range(8)]
     async with kc.open_cascade(config) as cascade:
         kv = cascade.device.kv  # int8 (gpu_blocks, block_bytes)
-        kv[:8] = torch.randint(-128, 127, (8, kv.shape[1]), dtype=torch.int8)
-        original = kv[:8].clone()
+        expected = torch.stack([block_kv(key, config.block_bytes) for key in keys]).to(kv.device)
 
         writer = kc.ReqContext("prefill-1")
-        for i in range(0, 8, 4):  # offload in two steps of 4 blocks
-            stored = await cascade.store(keys[i : i + 4], writer, list(range(i, i + 4)))
+        cached = await load_prefix(cascade, keys, writer, 0)  # an earlier run's blocks
+        print(f"prefill-1: {cached} of {len(keys)} blocks cached by an earlier run")
+        kv[cached:8] = expected[cached:]  # "prefill" computes the KV of the rest
+        for i in range(cached, 8, 4):  # offload in steps of 4 blocks
+            stored = await cascade.store(keys[i : i + 4], writer, list(range(i, min(i + 4, 8))))
             await cascade.wait_cascades()  # let the fs tier persist them
             print(f"stored {len(stored.stored)} blocks ({stored.bytes} bytes GPU→CPU)")
         cascade.finish_request(writer)
+        assert torch.equal(kv[:8], expected)
 
         reader = kc.ReqContext("prefill-2")
         cascade.touch(keys, reader)  # the request reads these blocks (recency, policy learning)
-        done = 0  # each promotion needs a CPU slot: 4 slots bring the 8 blocks back in 2 parts
-        while done < len(keys):
-            found = await cascade.lookup_prefix(keys[done:], reader)
-            if not found.num_hits:
-                break
-            gpu_ids = list(range(32 + done, 32 + done + found.num_hits))
-            loaded = await cascade.load(found.keys, reader, gpu_ids)
-            assert loaded.loaded == found.num_hits
-            print(f"prefix hit: blocks {done}-{done + found.num_hits - 1} from {found.tiers}")
-            done += loaded.loaded
+        done = await load_prefix(cascade, keys, reader, 32)
         cascade.finish_request(reader)
-        assert torch.equal(kv[32 : 32 + done], original[:done])
+        assert torch.equal(kv[32 : 32 + done], expected[:done])
         print(f"loaded {done} of {len(keys)} blocks back, byte-exact")
 
 

@@ -76,9 +76,11 @@ def inspect_root(root: str | os.PathLike[str]) -> list[NamespaceUsage]:
     """The namespaces under ``root`` (those with a ``config.json``), sorted by name.
 
     Raises:
-        ConfigError: ``root`` is not a directory.
+        ConfigError: ``root`` does not exist or is not a directory.
     """
     base = Path(root)
+    if not base.exists():
+        raise ConfigError(f"{str(root)!r} does not exist")
     if not base.is_dir():
         raise ConfigError(f"{str(root)!r} is not a directory")
     out = []
@@ -135,7 +137,8 @@ def purge_root(
     (``docs/fs-tier.md``, Rules that keep it correct).
 
     Raises:
-        ConfigError: ``root`` is not a directory, or a named namespace does not exist there.
+        ConfigError: ``root`` does not exist or is not a directory, or a named namespace does
+            not exist there.
     """
     known = {u.name for u in inspect_root(root)}
     chosen = sorted(known) if namespaces is None else namespaces

@@ -126,6 +126,13 @@ class CascadeConfig:
     def __post_init__(self) -> None:
         _positive_int("block_bytes", self.block_bytes)
         _positive_int("gpu_blocks", self.gpu_blocks)
+        device_bytes = self.gpu_blocks * self.block_bytes
+        if device_bytes >= 1 << 63:  # torch cannot even express the size of the tensor
+            raise ConfigError(
+                f"gpu_blocks={self.gpu_blocks} × block_bytes={self.block_bytes} = "
+                f"{device_bytes:,} B of device KV cache is beyond any device (2**63 B); "
+                "lower gpu_blocks or block_bytes"
+            )
         if self.cpu_blocks is not None:
             _positive_int("cpu_blocks", self.cpu_blocks)  # 0 slots would drop every store
         if self.cpu_bytes_to_use is not None:

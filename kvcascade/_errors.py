@@ -86,6 +86,8 @@ class TransferError(KVCascadeError):
         succeeded: the keys of the job that were transferred before the failure.
         transferred_bytes: bytes actually moved before the failure, when the tier knows them
             (a store hit moves none); None: ``len(succeeded)`` blocks.
+        reported: the tier has warned about the cause already (a full disk or server: one
+            warning per episode), so the job's failure is not warned about again.
     """
 
     def __init__(
@@ -93,7 +95,9 @@ class TransferError(KVCascadeError):
         message: str,
         succeeded: Sequence[bytes] = (),
         transferred_bytes: int | None = None,
+        reported: bool = False,
     ) -> None:
         super().__init__(message)
         self.succeeded = list(succeeded)
         self.transferred_bytes = transferred_bytes
+        self.reported = reported

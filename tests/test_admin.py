@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,6 +16,8 @@ import pytest
 
 from kvcascade._admin import inspect_root, parse_age
 from kvcascade.replay.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +98,43 @@ def test_purge_refuses_without_a_filter_and_names_bad_values(
         assert main(["purge", str(root), *argv]) == 2
         assert message in capsys.readouterr().err
     assert {u.name: u.blocks for u in inspect_root(root)} == before
-    assert main(["inspect", str(root / "missing")]) == 2
-    assert "is not a directory" in capsys.readouterr().err
+    assert main(["inspect", str(root / "missing")]) == 2  # said "is not a directory"
+    assert f"kvcascade: error: '{root / 'missing'}' does not exist" in capsys.readouterr().err
+    (root / "file").write_text("")
+    assert main(["purge", str(root / "file"), "--all"]) == 2
+    assert f"kvcascade: error: '{root / 'file'}' is not a directory" in capsys.readouterr().err
+
+
+def test_an_empty_age_is_refused_not_read_as_no_filter(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``purge --all --older-than "$AGE"`` with AGE unset removed every block."""
+    before = {u.name: u.blocks for u in inspect_root(root)}
+    with pytest.raises(SystemExit):
+        main(["purge", str(root), "--all", "--older-than", ""])
+    assert "argument --older-than: expected a value, got ''" in capsys.readouterr().err
+    assert {u.name: u.blocks for u in inspect_root(root)} == before
+
+
+def test_inspect_into_a_closed_pipe_exits_quietly(root: Path) -> None:
+    """``kvcascade inspect DIR | head -2`` ended with ``kvcascade: error: [Errno 32] Broken
+    pipe``: a reader gone away ends the command without a word, status 128 + SIGPIPE as a
+    command killed by the signal. The pipe's read end is closed before the command starts."""
+    read, write = os.pipe()
+    os.close(read)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvcascade.replay.cli", "inspect", str(root)],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": path},
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (128 + signal.SIGPIPE, "")
 
 
 def test_parse_age() -> None:

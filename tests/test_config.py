@@ -38,6 +38,17 @@ def test_a_primary_tier_of_no_slots_is_refused() -> None:
         kc.CascadeConfig(cpu_blocks=0)
 
 
+def test_a_device_kv_cache_beyond_a_64_bit_size_is_refused() -> None:
+    """torch's own refusal was a TypeError traceback (Overflow when unpacking long long)."""
+    with pytest.raises(kc.ConfigError) as err:
+        kc.CascadeConfig(cpu_blocks=4, gpu_blocks=1 << 61, block_bytes=4)
+    assert str(err.value) == (
+        f"gpu_blocks={1 << 61} × block_bytes=4 = {1 << 63:,} B of device KV cache is beyond "
+        "any device (2**63 B); lower gpu_blocks or block_bytes"
+    )
+    kc.CascadeConfig(cpu_blocks=4, gpu_blocks=(1 << 61) - 1, block_bytes=4)  # torch's limit
+
+
 def test_two_fs_tiers_on_one_directory_are_refused(tmp_path: Path) -> None:
     """The bounded one would evict the other's files."""
     tiers = [

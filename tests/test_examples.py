@@ -36,10 +36,19 @@ def run(name: str, *args: str) -> str:
 
 
 def test_asyncio_cascade_example(tmp_path: Path) -> None:
-    out = run("asyncio_cascade.py", str(tmp_path))
-    assert "prefix hit: blocks 0-3 from ['fs', 'fs', 'fs', 'fs']" in out
-    assert "prefix hit: blocks 4-7 from" in out
-    assert "loaded 8 of 8 blocks back, byte-exact" in out
+    """Run twice on one directory: the second run finds the first run's blocks (restart hits)
+    and verifies them byte-exact, as it does the blocks it loads back from the fs tier."""
+    first = run("asyncio_cascade.py", str(tmp_path))
+    assert "prefill-1: 0 of 8 blocks cached by an earlier run" in first
+    assert first.count("stored 4 blocks") == 2
+    assert "prefill-2: prefix hit: blocks 0-3 from ['fs', 'fs', 'fs', 'fs']" in first
+    assert "prefill-2: prefix hit: blocks 4-7 from" in first
+    assert "loaded 8 of 8 blocks back, byte-exact" in first
+    second = run("asyncio_cascade.py", str(tmp_path))
+    assert "prefill-1: prefix hit: blocks 0-3 from ['fs', 'fs', 'fs', 'fs']" in second
+    assert "prefill-1: 8 of 8 blocks cached by an earlier run" in second
+    assert "stored" not in second
+    assert "loaded 8 of 8 blocks back, byte-exact" in second
 
 
 def test_scheduler_hooks_example() -> None:
@@ -137,6 +146,14 @@ async def test_aiohttp_server_example_serves_concurrent_requests(tmp_path: Path)
             async with session.post(f"{base}/generate", data=b"{not json") as resp:
                 assert resp.status == 400
                 assert "body is not JSON" in await resp.text()
+            deep = b"[" * 100_000 + b"]" * 100_000  # was a 500: RecursionError in the decoder
+            async with session.post(f"{base}/generate", data=deep) as resp:
+                assert resp.status == 400
+                assert "body is not JSON (maximum recursion depth exceeded" in await resp.text()
+            bools = {"tokens": [1, True, False]}  # bools are ints in Python, not token ids
+            async with session.post(f"{base}/generate", json=bools) as resp:
+                assert resp.status == 400
+                assert (await resp.text()).startswith("tokens[1] is true, not a token id")
     finally:
         proc.terminate()
         _, err = await asyncio.to_thread(proc.communicate, None, 60)

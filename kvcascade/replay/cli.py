@@ -46,6 +46,14 @@ def _positive_int(text: str) -> int:
     return _int(text, 1)
 
 
+def _nonempty(text: str) -> str:
+    """A string option's value: an empty one (``--fs-dir ''``, an unset shell variable) is
+    refused rather than read as "not given"."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a value, got ''")
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcascade", description="Three-tier KV cache tools.")
     parser.add_argument("--version", action="version", version=f"kvcascade {_version()}")
@@ -56,7 +64,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Replay a Mooncake-format trace through the cascade (default: the bundled "
         "Mooncake conversation trace).",
     )
-    rp.add_argument("trace", nargs="?", help="JSONL trace (default: bundled Mooncake trace)")
+    rp.add_argument(
+        "trace", nargs="?", type=_nonempty, help="JSONL trace (default: bundled Mooncake trace)"
+    )
     rp.add_argument("--requests", type=_positive_int, help="replay only the first N requests")
     rp.add_argument(
         "--gpu-blocks",
@@ -75,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     rp.add_argument(
         "--fs-dir",
+        type=_nonempty,
         help="fs tier directory, created with a warning if missing (default: a temporary "
         "directory)",
     )
@@ -87,28 +98,39 @@ def _parser() -> argparse.ArgumentParser:
     )
     rp.add_argument(
         "--s3-bucket",
+        type=_nonempty,
         help="add an s3 tier on this bucket, after the fs tier (credentials: the AWS default "
         "chain, e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)",
     )
     rp.add_argument(
         "--s3-endpoint",
+        type=_nonempty,
         metavar="URL",
         help="S3 endpoint of the s3 tier, e.g. http://127.0.0.1:9000 for MinIO (default: AWS)",
     )
     rp.add_argument(
         "--valkey",
+        type=_nonempty,
         metavar="URL",
         help="add a valkey tier on this Valkey / Redis server, e.g. redis://127.0.0.1:6379, "
         "after the other tiers (a password goes in --config's 'password'; docs/valkey-tier.md)",
     )
     rp.add_argument(
         "--eviction-policy",
+        type=_nonempty,
         help="CPU tier eviction policy (default adaptive; lru, arc, turn_aware, …)",
     )
-    rp.add_argument("--config", help="JSON object (or @file) of kv_connector_extra_config keys")
-    rp.add_argument("--json", dest="json_path", help="write the report as JSON to this path")
+    rp.add_argument(
+        "--config",
+        type=_nonempty,
+        help="JSON object (or @file) of kv_connector_extra_config keys",
+    )
+    rp.add_argument(
+        "--json", dest="json_path", type=_nonempty, help="write the report as JSON to this path"
+    )
     rp.add_argument(
         "--plot",
+        type=_nonempty,
         metavar="PATH",
         help="write a PNG: hit ratio over the run per tier, bytes moved per link (needs "
         "matplotlib: pip install 'kvcascade[plot]')",
@@ -116,18 +138,21 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--quiet", action="store_true", help="no progress bar")
     rp.add_argument(
         "--compare-policies",
+        type=_nonempty,
         metavar="P1,P2,…",
         help="instead of the byte-exact replay, compare eviction policies (bookkeeping only) "
         "against Belady's OPT, e.g. lru,arc,turn_aware; see docs/policies.md",
     )
     rp.add_argument(
         "--capacities",
+        type=_nonempty,
         default=None,
         help="with --compare-policies: cache sizes as fractions of the trace's unique blocks "
         "(default 0.01,0.05,0.1)",
     )
     rp.add_argument(
         "--hints",
+        type=_nonempty,
         default=None,
         help="with --compare-policies: 'none' or 'oracle[:noise]' — continues-hints read off "
         "the trace, a fraction 'noise' of them flipped (seeded by --seed)",
@@ -156,8 +181,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Show every kvcascade namespace under an fs tier's root_dir: its identity "
         "(config.json), block files, bytes, oldest/newest block and leftover temp files.",
     )
-    ins.add_argument("root", help="the fs tier's root_dir")
-    ins.add_argument("--json", dest="json_path", help="also write the listing as JSON here")
+    ins.add_argument("root", type=_nonempty, help="the fs tier's root_dir")
+    ins.add_argument(
+        "--json", dest="json_path", type=_nonempty, help="also write the listing as JSON here"
+    )
     pur = sub.add_parser(
         "purge",
         help="remove block files of an fs tier directory by namespace and age",
@@ -165,14 +192,18 @@ def _parser() -> argparse.ArgumentParser:
         "--older-than whole namespaces go (config.json included). An engine running on the "
         "directory treats a removed block as a miss.",
     )
-    pur.add_argument("root", help="the fs tier's root_dir")
+    pur.add_argument("root", type=_nonempty, help="the fs tier's root_dir")
     pur.add_argument(
         "--namespace",
         action="append",
+        type=_nonempty,
         help="only this namespace (as `kvcascade inspect` lists it); repeat for several",
     )
     pur.add_argument(
-        "--older-than", metavar="AGE", help="only blocks not written for AGE (e.g. 90m, 12h, 7d)"
+        "--older-than",
+        type=_nonempty,
+        metavar="AGE",
+        help="only blocks not written for AGE (e.g. 90m, 12h, 7d)",
     )
     pur.add_argument(
         "--all", action="store_true", help="every namespace (needed when no filter is given)"
@@ -181,7 +212,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load_config_arg(text: str | None) -> dict[str, Any]:
-    if not text:
+    if text is None:
         return {}
     source = "--config"
     if text.startswith("@"):
@@ -215,7 +246,8 @@ def build_replay_config(
 
     Raises:
         ConfigError: a bad ``--config``, an option that needs a tier not configured, an option
-            whose key ``--config`` sets too (both named), or two sizes of the CPU tier
+            whose key ``--config`` sets too (both named), ``--no-fs`` with an fs tier in
+            ``--config``, or two sizes of the CPU tier
             (``--cpu-blocks`` or ``cpu_blocks`` with ``cpu_bytes_to_use``), besides what
             :class:`~kvcascade.CascadeConfig` refuses.
     """
@@ -225,8 +257,14 @@ def build_replay_config(
     tiers = extra.get("secondary_tiers")
     if tiers is None:
         tiers = [] if args.no_fs else [{"type": "fs"}]
-    elif args.no_fs and isinstance(tiers, list):
-        tiers = [t for t in tiers if not (isinstance(t, dict) and t.get("type") == "fs")]
+    elif (
+        args.no_fs
+        and isinstance(tiers, list)
+        and any(isinstance(t, dict) and t.get("type") == "fs" for t in tiers)
+    ):
+        raise ConfigError(
+            "--no-fs and an fs tier in --config's secondary_tiers both given; give one of them"
+        )
     if "cpu_bytes_to_use" in extra and (args.cpu_blocks is not None or "cpu_blocks" in extra):
         given = (
             f"--cpu-blocks {args.cpu_blocks}"
@@ -283,7 +321,8 @@ def _fill_tier_options(args: argparse.Namespace, tiers: list[Any]) -> None:
     """The fs, s3 and valkey options into the first tier of their type (:func:`_fill`).
 
     Raises:
-        ConfigError: an fs option without an fs tier, ``--s3-endpoint`` without
+        ConfigError: an fs option with ``--no-fs`` or without an fs tier in ``--config``'s
+            ``secondary_tiers``, ``--s3-endpoint`` without
             ``--s3-bucket``, or an option whose key the tier's entry sets too.
     """
 
@@ -301,8 +340,13 @@ def _fill_tier_options(args: argparse.Namespace, tiers: list[Any]) -> None:
         if value is None:
             continue
         fs = first(("fs",), add=False)
+        if fs is None and args.no_fs:
+            raise ConfigError(f"{flag} and --no-fs both given; give one of them")
         if fs is None:
-            raise ConfigError(f"{flag} given but no fs tier is configured (drop --no-fs)")
+            raise ConfigError(
+                f"{flag} given but --config's secondary_tiers has no fs tier; add one "
+                '({"type": "fs"}) or drop ' + flag
+            )
         _fill(fs, key, value, flag, "'s fs tier")
     if args.s3_endpoint and not args.s3_bucket:
         raise ConfigError("--s3-endpoint needs --s3-bucket")
@@ -391,6 +435,21 @@ def _progress(
 
 
 _COMPARE_ONLY = {"capacities": "--capacities", "hints": "--hints", "seed": "--seed"}
+#: The byte-exact replay's options: the comparison simulates one cache level of its own
+#: (docs/policies.md), with no tiers, sizes, policy option or plot of the replay.
+_REPLAY_ONLY = {
+    "gpu_blocks": "--gpu-blocks",
+    "cpu_blocks": "--cpu-blocks",
+    "block_bytes": "--block-bytes",
+    "fs_dir": "--fs-dir",
+    "fs_max_bytes": "--fs-max-bytes",
+    "s3_bucket": "--s3-bucket",
+    "s3_endpoint": "--s3-endpoint",
+    "valkey": "--valkey",
+    "eviction_policy": "--eviction-policy",
+    "config": "--config",
+    "plot": "--plot",
+}
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -428,8 +487,10 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    if args.plot:
-        raise ConfigError("--plot: only meaningful without --compare-policies")
+    given = [flag for name, flag in _REPLAY_ONLY.items() if getattr(args, name) is not None]
+    given += ["--no-fs"] if args.no_fs else []
+    if given:
+        raise ConfigError(f"{', '.join(given)}: only meaningful without --compare-policies")
     _check_writable(args.json_path)
     from .compare import compare, format_comparison
     from .trace import bundled_trace, read_trace
@@ -444,8 +505,12 @@ def _compare(args: argparse.Namespace) -> int:
             f"--capacities must be comma-separated numbers, got {args.capacities!r}"
         ) from None
     policies = [p.strip() for p in args.compare_policies.split(",") if p.strip()]
-    if not policies or not fractions:
-        raise ConfigError("--compare-policies and --capacities need at least one entry each")
+    for flag, entries, text in (
+        ("--compare-policies", policies, args.compare_policies),
+        ("--capacities", fractions, args.capacities),
+    ):
+        if not entries:
+            raise ConfigError(f"{flag} needs at least one entry, got {text!r}")
     trace = read_trace(args.trace or bundled_trace(), limit=args.requests)
     runs = len(trace) * len(policies) * len(fractions)
     try:
@@ -561,17 +626,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    commands = {"replay": _replay, "calibrate": _calibrate, "inspect": _inspect, "purge": _purge}
+    command = commands[args.command]
+    if command is _replay and args.compare_policies is not None:
+        command = _compare
     try:
-        if args.command == "replay" and args.compare_policies:
-            return _compare(args)
-        if args.command == "replay":
-            return _replay(args)
-        if args.command == "calibrate":
-            return _calibrate(args)
-        if args.command == "inspect":
-            return _inspect(args)
-        if args.command == "purge":
-            return _purge(args)
+        code = command(args)
+        sys.stdout.flush()  # a reader gone away (`| head`) shows here, not at exit
+        return code
+    except BrokenPipeError:
+        # Quiet, as CLIs are when their reader goes away; stdout to /dev/null so that the
+        # interpreter's flush at exit does not fail a second time.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except KVCascadeError as exc:
         print(f"kvcascade: error: {exc}", file=sys.stderr)
         return 2
@@ -581,7 +648,6 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("kvcascade: interrupted", file=sys.stderr)
         return 130
-    return 2
 
 
 if __name__ == "__main__":

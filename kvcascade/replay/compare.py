@@ -230,8 +230,8 @@ def compare(
     none.
 
     Raises:
-        ValueError: a fraction outside ``(0, 1]``, a policy or fraction given twice (its
-            column or row would be printed twice), or a bad ``hints`` spec.
+        ValueError: a fraction outside ``(0, 1]`` or of 0 blocks, a policy or fraction given
+            twice (its column or row would be printed twice), or a bad ``hints`` spec.
         ConfigError: an unknown policy.
     """
     for what, values in (("policy", policies), ("capacity fraction", fractions)):
@@ -247,7 +247,13 @@ def compare(
     for fraction in fractions:
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"capacity fractions must be within (0, 1], got {fraction}")
-        capacities.append(int(fraction * unique))
+        capacity = int(fraction * unique)
+        if not capacity:  # a row of a 0-block cache, while 0 itself is refused
+            raise ValueError(
+                f"capacity fraction {fraction} of the trace's {unique:,} unique blocks is 0 "
+                f"blocks; give at least 1/{unique:,}"
+            )
+        capacities.append(capacity)
     result = Comparison(list(fractions), capacities, list(policies), hints=hints)
     result.free_rules = free_rules
     for fraction, capacity in zip(fractions, capacities):

@@ -188,7 +188,7 @@ async def replay(
     if longest > config.gpu_blocks:
         raise ConfigError(
             f"gpu_blocks={config.gpu_blocks} cannot hold the longest request ({longest} blocks); "
-            f"use --gpu-blocks {longest} or more"
+            f"give gpu_blocks {longest} or more"
         )
     report = ReplayReport(config=_describe(config))
     report.hit_blocks = {

@@ -9,13 +9,16 @@ the backend's availability (docs/s3-tier.md and docs/valkey-tier.md, "Failure be
   ``retry_s`` seconds, during which the tier sends nothing (probes miss, stores are dropped,
   loads fail); :class:`TierUnavailableError`;
 * ``FULL`` (it answered that it refuses writes, e.g. valkey's ``maxmemory``): marked up, and
-  full for ``retry_s`` (stores are dropped); :class:`TransferError`;
+  full for ``retry_s`` (stores are dropped); :class:`TransferError`, ``reported``: one warning
+  per episode, which lasts until a store succeeds again (:meth:`Backend.stored`);
 * ``ANSWERED`` (any other error answer): marked up; :class:`NotFoundError` when the answer
   says the object is not there, else :class:`TransferError`;
 * ``FAILED`` (the request broke off after an answer began, or the client failed): no change;
   :class:`TransferError`.
 
-A request that succeeds marks the backend up. Messages name the operation and a short code
+A request that succeeds marks the backend up. Going down is a warning (lookups miss, stores
+are dropped until it answers) only once the backend has answered: one never reached fails the
+tier's start instead. Messages name the operation and a short code
 (the S3 error code or the exception's type), never the backend's own text (it may quote
 request URLs or a command's arguments). Any other exception (a bug) passes unchanged. Each
 change of state is logged once.
@@ -83,6 +86,8 @@ class Backend:
         self.not_found = not_found
         self._down_until = 0.0
         self._full_until = 0.0
+        self._full_warned = False  # in an episode of refused writes (warned once)
+        self._answered = False  # ever: one never reached fails the tier's start, not degrades
 
     def available(self) -> bool:
         """False while the backend is marked down (send nothing)."""
@@ -132,7 +137,7 @@ class Backend:
             if meaning is Meaning.FULL:
                 self._mark_full()
                 raise TransferError(
-                    f"{self.kind} {op}: {self.noun} {self.where} is full ({code})"
+                    f"{self.kind} {op}: {self.noun} {self.where} is full ({code})", reported=True
                 ) from exc
             if meaning is Meaning.ANSWERED and self.not_found(exc):
                 raise NotFoundError(f"{self.kind} {op}: {code}") from exc
@@ -140,7 +145,7 @@ class Backend:
         self._mark_up()
 
     def _mark_down(self) -> None:
-        if not self._down_until:
+        if not self._down_until and self._answered:
             log.warning(
                 "%s tier %s: %s %s unreachable; lookups miss and stores are dropped until it "
                 "answers",
@@ -152,20 +157,30 @@ class Backend:
         self._down_until = time.monotonic() + self.retry_s
 
     def _mark_up(self) -> None:
+        self._answered = True
         if self._down_until:
             log.warning(
                 "%s tier %s: %s %s answers again", self.kind, self.tier, self.noun, self.where
             )
             self._down_until = 0.0
 
+    def stored(self) -> None:
+        """A store succeeded: an episode of refused writes is over (the next refusal warns)."""
+        if self._full_warned:
+            log.info(
+                "%s tier %s: %s %s takes stores again", self.kind, self.tier, self.noun, self.where
+            )
+            self._full_warned = False
+
     def _mark_full(self) -> None:
-        if not self._full_until:
+        if not self._full_warned:
             log.warning(
                 "%s tier %s: %s %s is out of memory (it refused a write); stores are dropped "
-                "for now",
+                "until it takes one again",
                 self.kind,
                 self.tier,
                 self.noun,
                 self.where,
             )
+            self._full_warned = True
         self._full_until = time.monotonic() + self.retry_s

@@ -299,13 +299,16 @@ class TierJobs:
             kind = "load_failures" if job.is_promotion else "store_failures"
             counters[kind] += 1
             # The first failure of each kind is a warning (a full disk fails every job: no
-            # flood), the others debug lines. Not warnings: a corrupt block (the tier's _corrupt
-            # warned), and a load of a block the backend answered is not there (a value a
-            # valkey server evicted between lookup and load: a miss under eviction, counted by
-            # the tier, e.g. valkey's missing_blocks).
+            # flood), the others debug lines. Not warnings: a failure whose cause the tier
+            # warned about (``reported``: a full disk or server), a corrupt block (the tier's
+            # _corrupt warned), and a load of a block the backend answered is not there (a
+            # value a valkey server evicted between lookup and load: a miss under eviction,
+            # counted by the tier, e.g. valkey's missing_blocks).
             cause = error.__cause__
-            routine = isinstance(cause, CorruptBlockError) or (
-                job.is_promotion and isinstance(cause, NotFoundError)
+            routine = (
+                error.reported
+                or isinstance(cause, CorruptBlockError)
+                or (job.is_promotion and isinstance(cause, NotFoundError))
             )
             first = not routine and kind not in self._warned
             if first:

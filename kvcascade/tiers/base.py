@@ -411,9 +411,10 @@ async def gather_blocks(
 
     Raises:
         TransferError: some block failed with a kvcascade error; carries the keys that
-            succeeded (job order) and as its cause the first failure that is not a block found
-            missing (:class:`~kvcascade.tiers._backend.NotFoundError`), else the first one, so
-            that a fault is not logged as the miss of a block beside it.
+            succeeded (job order), ``reported`` when every failure was, and as its cause the
+            first failure that is not a block found missing
+            (:class:`~kvcascade.tiers._backend.NotFoundError`), else the first one, so that a
+            fault is not logged as the miss of a block beside it.
         the first failure itself when it is not a kvcascade error (a bug, not an I/O fault).
     """
     results = await asyncio.gather(
@@ -427,4 +428,7 @@ async def gather_blocks(
         raise first
     bad = {j for j, _ in failed}
     succeeded = [k for j, k in enumerate(keys) if j not in bad]
-    raise TransferError(f"{what} of block {i} failed: {first}", succeeded) from first
+    reported = all(isinstance(r, TransferError) and r.reported for _, r in failed)
+    raise TransferError(
+        f"{what} of block {i} failed: {first}", succeeded, reported=reported
+    ) from first

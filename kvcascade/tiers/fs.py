@@ -120,6 +120,7 @@ measured up to 20 % slower for 1–4 MiB blocks with O_DIRECT on ext4 than one b
 small blocks, and every size where I/O is a CPU copy (tmpfs, buffered), gain from batching."""
 _OS_ERROR, _CORRUPT = 3, 4  # error kinds of the fs ops (kernels/kvc_result.h)
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_UNWRITABLE_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 """The errors of a filesystem (or a quota) with no room for a write."""
 
 if PAGE_SIZE % ALIGN:
@@ -160,8 +161,9 @@ def probe_o_direct(directory: str | os.PathLike[str]) -> bool:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o600)
         return os.write(fd, page) == ALIGN
     except OSError as exc:
-        if fd is None and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-            log.warning("fs tier: %s is not writable (%s): stores will fail", directory, exc)
+        if fd is None and exc.errno in _UNWRITABLE_ERRNOS:
+            # Not a warning: the first store it refuses is (FileSystemTier._store_failed).
+            log.info("fs tier: %s is not writable (%s): stores will fail", directory, exc)
         elif exc.errno in _FULL_ERRNOS:
             # Not "full": a bounded tier evicts before it writes, so its stores may well fit.
             log.info(
@@ -630,25 +632,36 @@ class FileSystemTier(SecondaryTier):
 
         Blocks the filesystem refused for want of room (ENOSPC, EDQUOT: a disk that filled
         mid-run, not the tier's own ``max_bytes``) are counted in
-        ``counters["disk_full_blocks"]`` and warned about, naming the tier and its
-        ``root_dir``, rate-limited as corrupt blocks are (:meth:`_limited_warning`). Their temp
-        files are already removed: a refused block is a failed store, never a corrupt file.
+        ``counters["disk_full_blocks"]``, blocks it refused to write at all (EROFS, EACCES,
+        EPERM: a read-only mount) in ``counters["unwritable_blocks"]``; each kind is warned
+        about naming the tier and its ``root_dir``, rate-limited as corrupt blocks are
+        (:meth:`_limited_warning`), and a job that failed of these alone is ``reported`` (its
+        failure is no second warning). Their temp files are already removed: a refused block
+        is a failed store, never a corrupt file.
 
         Raises:
             TransferError: always; names the first failed block and its cause (also the
                 exception's cause) and how many failed; ``succeeded``: the other keys, in job
                 order; ``transferred_bytes``: ``written``.
         """
-        full = [e for _, e in failures if e.errno in _FULL_ERRNOS and not isinstance(e, _OverBound)]
-        if full:
-            self._limited_warning(
-                "disk_full_blocks",
-                len(full),
-                f"fs tier {self.name}: root_dir {self.root} is full ({full[0].strerror}): "
-                f"{len(full)} of {len(keys)} blocks of a store not stored; stores fail until the "
-                "filesystem has room (no block is left partly written)",
-                "refused blocks",
-            )
+        warned = 0
+        for counter, errnos, state, until in (
+            ("disk_full_blocks", _FULL_ERRNOS, "is full", "the filesystem has room"),
+            ("unwritable_blocks", _UNWRITABLE_ERRNOS, "is not writable", "it is writable"),
+        ):
+            refused = [
+                e for _, e in failures if e.errno in errnos and not isinstance(e, _OverBound)
+            ]
+            if refused:
+                warned += len(refused)
+                self._limited_warning(
+                    counter,
+                    len(refused),
+                    f"fs tier {self.name}: root_dir {self.root} {state} ({refused[0].strerror}): "
+                    f"{len(refused)} of {len(keys)} blocks of a store not stored; stores fail "
+                    f"until {until} (no block is left partly written)",
+                    "refused blocks",
+                )
         i, exc = failures[0]
         bad = {j for j, _ in failures}
         more = f"; {len(failures)} of {len(keys)} blocks failed" if len(failures) > 1 else ""
@@ -656,6 +669,7 @@ class FileSystemTier(SecondaryTier):
             f"fs store of block {i} failed: {_naming(exc, self.path_of(keys[i]))}{more}",
             [k for j, k in enumerate(keys) if j not in bad],
             written,
+            reported=warned == len(failures),
         ) from exc
 
     def _store_one(self, key: bytes, row: memoryview) -> int:

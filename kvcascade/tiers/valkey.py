@@ -433,8 +433,12 @@ class ValkeyTier(SecondaryTier):
         state = self._backend.refusing_writes()
         if state is not None:
             self.counters["store_dropped_blocks"] += len(keys)
-            raise TransferError(f"valkey server {self.url} is {state}; store dropped")
-        return await gather_blocks(self._store_one, "valkey store", keys, rows)
+            raise TransferError(
+                f"valkey server {self.url} is {state}; store dropped", reported=state == "full"
+            )
+        written = await gather_blocks(self._store_one, "valkey store", keys, rows)
+        self._backend.stored()
+        return written
 
     async def _load_blocks(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> int:
         if not self._backend.available():

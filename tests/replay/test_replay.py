@@ -219,7 +219,14 @@ def test_json_report_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         (["replay", "--requests", "2", "--config", '{"cpu_bytes": 1}'], "cpu_bytes"),
         (["replay", "--requests", "2", "--config", "{not json"], "not valid JSON"),
         (["replay", "--requests", "2", "--eviction-policy", "nope"], "nope"),
-        (["replay", "--requests", "2", "--gpu-blocks", "3"], "gpu_blocks=3"),
+        (
+            ["replay", "--requests", "2", "--gpu-blocks", "3"],
+            "gpu_blocks=3 cannot hold the longest request (15 blocks); give gpu_blocks 15 or more",
+        ),
+        (  # said "use --gpu-blocks 5", an option not used
+            ["replay", "--requests", "2", "--config", '{"gpu_blocks": 3}'],
+            "gpu_blocks=3 cannot hold the longest request (15 blocks); give gpu_blocks 15 or more",
+        ),
         (
             ["replay", "--requests", "2", "--config", '{"secondary_tiers": [{"type": "tape"}]}'],
             "tape",
@@ -230,6 +237,11 @@ def test_json_report_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         ),
         (["replay", "--requests", "2", "--capacities", "0"], "--capacities: only meaningful"),
         (["replay", "--compare-policies", "lru", "--hints", "oracle:2"], "within [0, 1], got 2"),
+        (  # printed a row of a 0-block cache
+            ["replay", "--requests", "20", "--compare-policies", "lru", "--capacities", "1e-05"],
+            "capacity fraction 1e-05 of the trace's 560 unique blocks is 0 blocks; give at least "
+            "1/560",
+        ),
         (["replay", "--requests", "2", "--fs-dir", "/dev/null"], "exists and is not a directory"),
     ],
 )
@@ -240,6 +252,68 @@ def test_bad_input_is_one_clear_error(
     err = capsys.readouterr().err
     assert message in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--compare-policies", ""],  # ran the whole byte-exact replay
+        ["--fs-dir", ""],  # used a temporary directory
+        ["--config", ""],  # ran without the configuration
+        ["--valkey", ""],  # ran without the valkey tier
+        [""],  # the trace: replayed the bundled one
+    ],
+)
+def test_an_empty_option_value_is_refused_naming_the_option(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty value (an unset shell variable) was read as the option not given."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["replay", "--requests", "2", "--quiet", *argv])
+    assert exit_.value.code == 2
+    name = argv[0] if argv[0] else "trace"
+    assert f"kvcascade replay: error: argument {name}: expected a value, got ''" in (
+        capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--fs-dir", "X"], "--fs-dir: only meaningful without --compare-policies"),
+        (
+            ["--valkey", "redis://127.0.0.1:1", "--no-fs"],
+            "--valkey, --no-fs: only meaningful without --compare-policies",
+        ),
+        (
+            ["--cpu-blocks", "8", "--config", "{}", "--eviction-policy", "arc"],
+            "--cpu-blocks, --eviction-policy, --config: only meaningful without",
+        ),
+        (["--plot", "p.png"], "--plot: only meaningful without --compare-policies"),
+    ],
+)
+def test_replay_options_are_refused_with_compare_policies(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The comparison simulates one cache level of its own: the tier and size options of the
+    byte-exact replay were silently ignored (as ``--hints`` without it is refused)."""
+    assert main(["replay", "--requests", "2", "--quiet", "--compare-policies", "lru", *argv]) == 2
+    out = capsys.readouterr()
+    assert f"kvcascade: error: {message}" in out.err and out.out == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--compare-policies", ","], "--compare-policies needs at least one entry, got ','"),
+        (["--compare-policies", "lru", "--capacities", " ,"], "--capacities needs at least "),
+    ],
+)
+def test_a_list_of_no_entries_is_refused_naming_the_option(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["replay", "--requests", "2", "--quiet", *argv]) == 2
+    assert f"kvcascade: error: {message}" in capsys.readouterr().err
 
 
 def test_malformed_trace_line_names_line(tmp_path: Path) -> None:
@@ -361,9 +435,31 @@ def test_fs_max_bytes_bounds_the_fs_tier(tmp_path: Path) -> None:
     assert report["corrupt_blocks"] == 0
 
 
-def test_fs_max_bytes_needs_an_fs_tier(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["replay", "--requests", "2", "--no-fs", "--fs-max-bytes", "100"]) == 2
-    assert "--fs-max-bytes" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--no-fs", "--fs-max-bytes", "100"],
+            "--fs-max-bytes and --no-fs both given; give one of them",
+        ),
+        (
+            ["--config", '{"secondary_tiers": [{"type": "memory"}]}', "--fs-dir", "X"],
+            "--fs-dir given but --config's secondary_tiers has no fs tier; add one "
+            '({"type": "fs"}) or drop --fs-dir',
+        ),
+        (  # the configured fs tier was silently dropped
+            ["--config", '{"secondary_tiers": [{"type": "fs", "root_dir": "X"}]}', "--no-fs"],
+            "--no-fs and an fs tier in --config's secondary_tiers both given; give one of them",
+        ),
+    ],
+)
+def test_fs_options_need_an_fs_tier(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each message says what is true: it used to say "drop --no-fs" without --no-fs given."""
+    assert main(["replay", "--requests", "2", "--quiet", *argv]) == 2
+    out = capsys.readouterr()
+    assert out.err == f"kvcascade: error: {message}\n" and out.out == ""
 
 
 def test_credentials_never_reach_reports_or_reprs() -> None:
@@ -410,6 +506,11 @@ def test_a_trace_without_line_ends_is_a_clear_error(
     ("argv", "message"),
     [
         (["--gpu-blocks", "99999999999999"], "lower gpu_blocks"),
+        (
+            ["--no-fs", "--gpu-blocks", str(10**20)],
+            f"gpu_blocks={10**20} × block_bytes=4096 = {4096 * 10**20:,} B of device KV cache "
+            "is beyond any device (2**63 B); lower gpu_blocks or block_bytes",
+        ),
         (["--cpu-blocks", "99999999999999"], "lower cpu_blocks"),
         (["--config", '{"secondary_tiers": [{"type": "memory", "bogus": 1}]}'], "bogus"),
     ],
@@ -718,7 +819,6 @@ def test_plot_without_matplotlib_is_a_clear_error_before_the_run(
     [
         (["--plot", "/nonexistent-dir/p.png"], "--plot /nonexistent-dir/p.png: directory"),
         (["--json", "/tmp"], "--json /tmp: is a directory"),
-        (["--compare-policies", "lru", "--plot", "p.png"], "--plot: only meaningful without"),
     ],
 )
 def test_report_paths_are_checked_before_running(

@@ -1121,6 +1121,8 @@ async def test_disk_full_mid_run_is_one_rate_limited_warning_and_clean_failures(
             assert logged("WARNING") == [
                 f"{head} (later refused blocks of this tier: one warning per 60 s at most)"
             ]
+            # and nothing else: the failed jobs were a second warning for the same fault
+            assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
             assert logged("DEBUG") == [
                 f"{head} ({n} refused blocks since the last warning, {n + 1} in all)"
                 for n in range(1, refused)
@@ -1172,7 +1174,14 @@ async def test_read_only_filesystem_store_hits_and_misses(
     """Issue #5 (failure behaviour): on a filesystem remounted read-only, a store of blocks
     already there succeeds (a store hit, as in vLLM's fs tier, which checks existence first),
     a store of a new block fails with EROFS and the present ones around it are hits, and loads
-    go on."""
+    go on. The refusal is one warning naming the tier and its root_dir (there was a second, the
+    job's failure), and so it is on a tier started on the read-only mount (whose start-up says
+    so at INFO: a warning there and another at its first store were two for one fault)."""
+    caplog.set_level(logging.INFO, logger="kvcascade")
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
     with mounted(tmp_path / "mnt", "tmpfs", "size=4m") as root:
         tier = make_tier(root, host)
         async with running(tier):
@@ -1187,6 +1196,13 @@ async def test_read_only_filesystem_store_hits_and_misses(
                 job([key(1), key(2), key(7), key(3)], [4, 5, 6, 3], False)
             )
             assert not mixed.success and "Read-only file system" in mixed.error
+            refusal = (
+                f"fs tier fs: root_dir {root} is not writable (Read-only file system): 1 of 4 "
+                "blocks of a store not stored; stores fail until it is writable (no block is "
+                "left partly written) (later refused blocks of this tier: one warning per 60 s "
+                "at most)"
+            )
+            assert warnings() == [refusal] and tier.counters["unwritable_blocks"] == 1
             assert list(mixed.successful_keys or []) == [key(1), key(2), key(3)]
             assert (hit.transfer_size, mixed.transfer_size) == (0, 0)  # store hits move nothing
             assert tier.counters["store_bytes"] == 3 * BLOCK
@@ -1202,6 +1218,9 @@ async def test_read_only_filesystem_store_hits_and_misses(
         async with running(reader):
             assert (await load(reader, [2], [11])).success
             assert bytes(host.row(11)) == pattern(2)
+            assert warnings() == []
+            assert not (await store(reader, host, [8])).success
+            assert warnings() == [refusal.replace("1 of 4", "1 of 1")]
 
 
 def test_read_only_root_without_the_namespace_names_the_tier(

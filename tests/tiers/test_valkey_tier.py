@@ -112,13 +112,19 @@ def test_config_errors_name_the_bad_value_and_never_the_password(
     assert PASSWORD not in caplog.text
 
 
-async def test_startup_fails_naming_the_server_when_unreachable(host: kc.HostBuffer) -> None:
-    """Nothing listening: the actor's start-up raises TierUnavailableError naming the URL."""
+async def test_startup_fails_naming_the_server_when_unreachable(
+    host: kc.HostBuffer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing listening: the actor's start-up raises TierUnavailableError naming the URL, and
+    logs nothing first (it warned that lookups miss and stores are dropped until the server
+    answers: a degraded service that a failed start never gives)."""
+    caplog.set_level(logging.DEBUG, logger="kvcascade")
     url = f"redis://127.0.0.1:{free_port()}"
     tier = make_tier(url, host, max_attempts=1, connect_timeout_s=0.5)
     with pytest.raises(kc.TierUnavailableError, match=f"{url}.*ConnectionError"):
         await asyncio.wait_for(tier.serve(), 10)
     assert tier._client is None
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 async def test_startup_with_a_wrong_password_says_the_credentials_were_refused(
@@ -343,10 +349,30 @@ async def test_full_server_refuses_stores_logs_once_and_recovers(
             assert not dropped.success and "full; store dropped" in (dropped.error or "")
             assert tier.counters["store_dropped_blocks"] == 1
             assert (await load(tier, [0], [9])).success and bytes(host.row(9)) == pattern(0)
-            assert caplog.text.count("out of memory") == 1
+            oom = (
+                f"valkey tier {tier.name}: server {srv.url} is out of memory (it refused a "
+                "write); stores are dropped until it takes one again"
+            )
+
+            def warnings() -> list[str]:
+                records = caplog.records
+                return [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+
+            assert warnings()[1:] == [oom]  # after the noeviction one; no job-failure warning
+            # Past the window the server still refuses: the same episode, no second warning
+            # (there was one per DOWN_RETRY_S window: 8 in a replay).
+            await asyncio.sleep(valkey_module.DOWN_RETRY_S + 0.1)
+            again = await store(tier, host, [1001], [5])
+            assert not again.success and "full (OutOfMemoryError)" in (again.error or "")
+            assert warnings()[1:] == [oom]
             srv.cli("CONFIG", "SET", "maxmemory", "0")
             await asyncio.sleep(valkey_module.DOWN_RETRY_S + 0.1)
             assert (await store(tier, host, [2000], [6])).success
+            assert f"server {srv.url} takes stores again" in caplog.text
+            srv.cli("CONFIG", "SET", "maxmemory", "1")  # full again: a new episode
+            refused = await store(tier, host, [3000], [7])
+            assert not refused.success and "full (OutOfMemoryError)" in (refused.error or "")
+            assert warnings()[1:] == [oom, oom]
     finally:
         srv.stop()
 
