@@ -29,8 +29,8 @@ directory, statistics and clock, so it costs no learning of its own).
   of the shadow LRU (before that, ``Q`` of a few small differences understates the variance
   of a heavy-tailed workload: one long conversation can turn a 2σ lead into a loss;
   ``benchmarks/policy_suite.py --seed 1``'s ``turns_decreasing`` 10 % fell 0.010 below LRU
-  without this rule) — and back when its lead falls below a quarter of that, ``L <
-  confidence / 4 × √Q`` (the hysteresis keeps a lead near the threshold from flapping the
+  without this rule) — and back when its lead falls below an eighth of that, ``L <
+  confidence / 8 × √Q`` (the hysteresis keeps a lead near the threshold from flapping the
   mode: each switch costs the hits of a cache turning over to the other mode's
   contents). LRU is what the never-below rule of issue #19 compares with, hence the bias
   towards it. No hit is spent on finding out: the real cache never tries a mode the shadows
@@ -74,7 +74,7 @@ _IDLE = BlockStatus(-1, 0)
 _PENDING = BlockStatus(-1, -1)
 #: Back to LRU mode when the turn-aware shadow's lead falls below this share of the
 #: ``confidence × √Q`` that switched to turn-aware mode (docs/policies.md: ``adaptive``).
-_RELEASE = 0.25
+_RELEASE = 0.125
 
 
 def _equal_value(entry: _Entry) -> float:
@@ -194,7 +194,7 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
         max_sampling: at most this sampling divisor ``k`` (≥ 1; default 32).
         window_factor: the comparison window in turnover times ``H`` (> 0; default 4).
         confidence: standard deviations the turn-aware shadow must lead by before the real
-            cache follows it (≥ 0; default 2); it goes back to LRU below a quarter of that.
+            cache follows it (≥ 0; default 2); it goes back to LRU below an eighth of that.
         **kwargs: the :class:`TurnAwareCachePolicy` parameters (``admission_margin``, …).
 
     Attributes:

@@ -501,7 +501,7 @@ def test_adaptive_samples_whole_conversations() -> None:
 def test_adaptive_follows_the_shadow_that_wins() -> None:
     """Shadow turn-aware ahead by ``confidence`` standard deviations after a whole window of
     reads (``window_factor`` turnover times of the shadow LRU, at least the capacity):
-    turn-aware mode; its lead below a quarter of that: LRU mode again (the counters decay but
+    turn-aware mode; its lead below an eighth of that: LRU mode again (the counters decay but
     are never reset)."""
     policy = AdaptiveCachePolicy(64)
     lead = policy.confidence * 3.0  # √Q of one difference of 3 blocks is 3
@@ -512,10 +512,10 @@ def test_adaptive_follows_the_shadow_that_wins() -> None:
     policy._seen = policy.window_factor * 64
     policy.touch([b"r", b"c"], ReqContext("1"))  # r hits in both shadows: d = 0
     assert not policy.lru_mode and policy.switches == 1
-    policy._lead = 0.4 * lead  # below 1σ, above 0.5σ: stays
+    policy._lead = 0.2 * lead  # below 1σ, above σ / 4: stays
     policy.touch([b"r", b"b"], ReqContext("2"))
     assert not policy.lru_mode and policy.switches == 1
-    policy._lead = 0.2 * lead
+    policy._lead = 0.1 * lead
     policy.touch([b"r", b"d"], ReqContext("3"))
     assert policy.lru_mode and policy.switches == 2
 
