@@ -194,7 +194,7 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
         max_sampling: at most this sampling divisor ``k`` (≥ 1; default 32).
         window_factor: the comparison window in turnover times ``H`` (> 0; default 4).
         confidence: standard deviations the turn-aware shadow must lead by before the real
-            cache follows it (≥ 0; default 2); it goes back to LRU below an eighth of that.
+            cache follows it (≥ 0; default 2.25); it goes back to LRU below an eighth of that.
         **kwargs: the :class:`TurnAwareCachePolicy` parameters (``admission_margin``, …).
 
     Attributes:
@@ -212,7 +212,7 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
         shadow_blocks: int = 4096,
         max_sampling: int = 32,
         window_factor: float = 4.0,
-        confidence: float = 2.0,
+        confidence: float = 2.25,
         **kwargs: object,
     ) -> None:
         if not shadow_blocks >= 1:

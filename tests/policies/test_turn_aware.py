@@ -512,7 +512,7 @@ def test_adaptive_follows_the_shadow_that_wins() -> None:
     policy._seen = policy.window_factor * 64
     policy.touch([b"r", b"c"], ReqContext("1"))  # r hits in both shadows: d = 0
     assert not policy.lru_mode and policy.switches == 1
-    policy._lead = 0.2 * lead  # below 1σ, above σ / 4: stays
+    policy._lead = 0.2 * lead  # below 1σ, above confidence / 8 σ: stays
     policy.touch([b"r", b"b"], ReqContext("2"))
     assert not policy.lru_mode and policy.switches == 1
     policy._lead = 0.1 * lead
