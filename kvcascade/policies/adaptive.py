@@ -25,12 +25,13 @@ directory, statistics and clock, so it costs no learning of its own).
   the turn-aware order with all values equal) and everything is admitted. The model keeps
   learning from every request. It switches to turn-aware mode (:class:`TurnAwareCachePolicy`)
   when the turn-aware shadow leads by ``confidence`` standard deviations, ``L > confidence ×
-  √Q``, once a whole window of block reads has been seen (before that, ``Q`` of a few small
-  differences understates the variance of a heavy-tailed workload: one long conversation can
-  turn a 2σ lead into a loss; ``benchmarks/policy_suite.py --seed 1``'s ``turns_decreasing``
-  10 % fell 0.010 below LRU without this rule), and back when its lead falls below half
-  that, ``L < confidence / 2 × √Q`` (the hysteresis keeps a lead near the threshold from
-  flapping the mode: each switch costs the hits of a cache turning over to the other mode's
+  √Q``, once a whole window of block reads has been seen — ``window_factor`` turnover times
+  of the shadow LRU (before that, ``Q`` of a few small differences understates the variance
+  of a heavy-tailed workload: one long conversation can turn a 2σ lead into a loss;
+  ``benchmarks/policy_suite.py --seed 1``'s ``turns_decreasing`` 10 % fell 0.010 below LRU
+  without this rule) — and back when its lead falls below an eighth of that, ``L <
+  confidence / 8 × √Q`` (the hysteresis keeps a lead near the threshold from flapping the
+  mode: each switch costs the hits of a cache turning over to the other mode's
   contents). LRU is what the never-below rule of issue #19 compares with, hence the bias
   towards it. No hit is spent on finding out: the real cache never tries a mode the shadows
   have not shown to win.
@@ -71,6 +72,9 @@ _IDLE = BlockStatus(-1, 0)
 #: The status of a shadow block while its request's blocks are being inserted (not ready: no
 #: heap item until the request's blocks are filed at their depths).
 _PENDING = BlockStatus(-1, -1)
+#: Back to LRU mode when the turn-aware shadow's lead falls below this share of the
+#: ``confidence × √Q`` that switched to turn-aware mode (docs/policies.md: ``adaptive``).
+_RELEASE = 0.125
 
 
 def _equal_value(entry: _Entry) -> float:
@@ -81,14 +85,16 @@ def _equal_value(entry: _Entry) -> float:
 class _ShadowLRU:
     """The keys an LRU cache of ``capacity`` blocks would hold under the free rules of
     ``kvcascade replay --compare-policies`` (a request's keys become the most recent, its
-    first key last)."""
+    first key last), each with the tick of its last read (for :meth:`turnover`)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._keys: OrderedDict[bytes, None] = OrderedDict()
+        self._keys: OrderedDict[bytes, int] = OrderedDict()
+        self._tick_sum = 0  # Σ last-read ticks of the keys held
 
-    def step(self, keys: Sequence[bytes]) -> int:
-        """Read ``keys``: return the leading hits, then store them."""
+    def step(self, keys: Sequence[bytes], tick: int) -> int:
+        """Read ``keys`` at ``tick`` (the model's clock): return the leading hits, then store
+        them."""
         shadow = self._keys
         hits = 0
         for key in keys:
@@ -96,15 +102,24 @@ class _ShadowLRU:
                 break
             hits += 1
         move = shadow.move_to_end
+        total = self._tick_sum
         for key in reversed(keys):
-            shadow[key] = None
+            total += tick - shadow.get(key, 0)
+            shadow[key] = tick
             move(key)
         while len(shadow) > self.capacity:
-            shadow.popitem(last=False)
+            total -= shadow.popitem(last=False)[1]
+        self._tick_sum = total
         return hits
+
+    def turnover(self, tick: int) -> float:
+        """Twice the mean age (ticks) of the keys held: the time an LRU cache of this size
+        keeps a block (0 while empty)."""
+        return 2.0 * (tick - self._tick_sum / len(self._keys)) if self._keys else 0.0
 
     def clear(self) -> None:
         self._keys.clear()
+        self._tick_sum = 0
 
 
 class _ShadowTurnAware(TurnAwareCachePolicy):
@@ -175,11 +190,11 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
 
     Args:
         cache_capacity: slots of the tier (blocks).
-        shadow_blocks: the shadows hold at least this many blocks (≥ 1; default 1024).
+        shadow_blocks: the shadows hold at least this many blocks (≥ 1; default 4096).
         max_sampling: at most this sampling divisor ``k`` (≥ 1; default 32).
         window_factor: the comparison window in turnover times ``H`` (> 0; default 4).
         confidence: standard deviations the turn-aware shadow must lead by before the real
-            cache follows it (≥ 0; default 2); it goes back to LRU below half of that.
+            cache follows it (≥ 0; default 2.25); it goes back to LRU below an eighth of that.
         **kwargs: the :class:`TurnAwareCachePolicy` parameters (``admission_margin``, …).
 
     Attributes:
@@ -194,10 +209,10 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
     def __init__(
         self,
         cache_capacity: int,
-        shadow_blocks: int = 1024,
+        shadow_blocks: int = 4096,
         max_sampling: int = 32,
         window_factor: float = 4.0,
-        confidence: float = 2.0,
+        confidence: float = 2.25,
         **kwargs: object,
     ) -> None:
         if not shadow_blocks >= 1:
@@ -240,16 +255,24 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
         self._lead *= decay
         self._square *= decay
         if sampled:
-            diff = self._shadow_turn_aware.step(keys, request) - self._shadow_lru.step(keys)
+            shadow_lru = self._shadow_lru
+            diff = self._shadow_turn_aware.step(keys, request) - shadow_lru.step(keys, self._tick)
             self._lead += diff
             self._square += diff * diff
             if self.lru_mode:
                 significant = self._lead > self.confidence * math.sqrt(self._square)
-                if significant and self._seen >= window:
+                if significant and self._seen >= self._first_window():
                     self._switch(False)
-            elif self._lead < 0.5 * self.confidence * math.sqrt(self._square):
+            elif self._lead < _RELEASE * self.confidence * math.sqrt(self._square):
                 self._switch(True)
         return request
+
+    def _first_window(self) -> float:
+        """Block reads to see before the first switch: ``window_factor`` turnover times of an
+        LRU cache of this size (the shadow LRU's, at least the capacity), not of the real
+        cache, whose turnover stretches in LRU mode when hints refuse sessions."""
+        turnover = self._shadow_lru.turnover(self._tick)
+        return self.window_factor * max(float(self.cache_capacity), turnover)
 
     def _switch(self, lru_mode: bool) -> None:
         self.lru_mode = lru_mode

@@ -500,19 +500,36 @@ def test_adaptive_samples_whole_conversations() -> None:
 
 def test_adaptive_follows_the_shadow_that_wins() -> None:
     """Shadow turn-aware ahead by ``confidence`` standard deviations after a whole window of
-    reads: turn-aware mode; its lead below half of that: LRU mode again (the counters decay
-    but are never reset)."""
+    reads (``window_factor`` turnover times of the shadow LRU, at least the capacity):
+    turn-aware mode; its lead below an eighth of that: LRU mode again (the counters decay but
+    are never reset)."""
     policy = AdaptiveCachePolicy(64)
     lead = policy.confidence * 3.0  # √Q of one difference of 3 blocks is 3
     policy._lead, policy._square = lead + 1.0, 9.0
     policy.touch([b"r", b"a"], ReqContext("0"))  # a tie (both shadows miss): d = 0
     assert policy.lru_mode and policy.switches == 0  # 2 reads: not a window (4 × 64) yet
-    policy._seen = policy.window_factor * policy.turnover()
+    assert policy._first_window() == policy.window_factor * 64
+    policy._seen = policy.window_factor * 64
     policy.touch([b"r", b"c"], ReqContext("1"))  # r hits in both shadows: d = 0
     assert not policy.lru_mode and policy.switches == 1
-    policy._lead = 0.4 * lead
+    policy._lead = 0.2 * lead  # below 1σ, above confidence / 8 σ: stays
     policy.touch([b"r", b"b"], ReqContext("2"))
+    assert not policy.lru_mode and policy.switches == 1
+    policy._lead = 0.1 * lead
+    policy.touch([b"r", b"d"], ReqContext("3"))
     assert policy.lru_mode and policy.switches == 2
+
+
+def test_adaptive_shadow_lru_turnover_is_twice_the_mean_age() -> None:
+    """The shadow LRU's turnover (the first window's unit): three requests of two blocks (one
+    shared) stamp their keys with the clock after their reads (2, 4, 6); seen at tick 8."""
+    policy = AdaptiveCachePolicy(64)
+    for i, keys in enumerate(([b"r", b"a"], [b"r", b"b"], [b"r", b"c"])):
+        policy.touch(keys, ReqContext(str(i)))
+    shadow = policy._shadow_lru
+    assert dict(shadow._keys) == {b"r": 6, b"a": 2, b"b": 4, b"c": 6}
+    assert shadow.turnover(8) == 2.0 * (8 - 18 / 4)
+    assert policy._first_window() == policy.window_factor * 64  # the capacity is larger
 
 
 def test_adaptive_parameters_are_checked() -> None:
