@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import logging
 import random
 from collections.abc import AsyncIterator
 
@@ -15,6 +16,17 @@ from kvcascade import LookupResult as R
 
 BLOCK = 5000  # not a multiple of 4096: exercises the padded payload
 _job_ids = itertools.count()
+
+
+def warnings_logged(records: list[logging.LogRecord]) -> list[str]:
+    """The messages of kvcascade's own WARNING-or-worse records (``caplog.records``): asyncio's
+    debug-mode reports of a slow loop step (``Executing ... took 0.147 seconds`` on a loaded
+    machine) are left out, since the loop guard of tests/conftest.py judges those."""
+    return [
+        r.getMessage()
+        for r in records
+        if r.levelno >= logging.WARNING and r.name.startswith("kvcascade")
+    ]
 
 
 def key(i: int, group: int = 0) -> bytes:

@@ -30,7 +30,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tier_helpers import BLOCK, job, key, load, lookups, pattern, running, store
+from tier_helpers import (
+    BLOCK,
+    job,
+    key,
+    load,
+    lookups,
+    pattern,
+    running,
+    store,
+    warnings_logged,
+)
 
 import kvcascade as kc
 from kvcascade import LookupResult as R
@@ -1122,7 +1132,7 @@ async def test_disk_full_mid_run_is_one_rate_limited_warning_and_clean_failures(
                 f"{head} (later refused blocks of this tier: one warning per 60 s at most)"
             ]
             # and nothing else: the failed jobs were a second warning for the same fault
-            assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
+            assert len(warnings_logged(caplog.records)) == 1
             assert logged("DEBUG") == [
                 f"{head} ({n} refused blocks since the last warning, {n + 1} in all)"
                 for n in range(1, refused)
@@ -1180,7 +1190,7 @@ async def test_read_only_filesystem_store_hits_and_misses(
     caplog.set_level(logging.INFO, logger="kvcascade")
 
     def warnings() -> list[str]:
-        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        return warnings_logged(caplog.records)
 
     with mounted(tmp_path / "mnt", "tmpfs", "size=4m") as root:
         tier = make_tier(root, host)
