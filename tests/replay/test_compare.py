@@ -175,13 +175,16 @@ def test_cli_compare_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     [
         (["--compare-policies", "lru,arc,lru"], "policy 'lru' is given twice"),
         (["--compare-policies", "lru", "--capacities", "0.1,0.1"], "capacity fraction 0.1 is"),
+        (["--compare-policies", ","], "--compare-policies needs at least one entry, got ','"),
+        (["--compare-policies", "lru", "--capacities", " ,"], "--capacities needs at least "),
     ],
 )
-def test_cli_compare_refuses_a_repeated_policy_or_capacity(
+def test_cli_compare_refuses_a_repeated_or_missing_policy_or_capacity(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``--compare-policies lru,lru`` printed the lru column twice: a repeated policy (or
-    capacity, a repeated row) is refused before any simulation, naming it."""
+    capacity, a repeated row) is refused before any simulation, naming it; so is a list of
+    no entries, naming its option."""
     assert main(["replay", "--requests", "5", "--quiet", *argv]) == 2
     out = capsys.readouterr()
     assert f"kvcascade: error: {message}" in out.err and out.out == ""

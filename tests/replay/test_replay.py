@@ -302,20 +302,6 @@ def test_replay_options_are_refused_with_compare_policies(
     assert f"kvcascade: error: {message}" in out.err and out.out == ""
 
 
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--compare-policies", ","], "--compare-policies needs at least one entry, got ','"),
-        (["--compare-policies", "lru", "--capacities", " ,"], "--capacities needs at least "),
-    ],
-)
-def test_a_list_of_no_entries_is_refused_naming_the_option(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert main(["replay", "--requests", "2", "--quiet", *argv]) == 2
-    assert f"kvcascade: error: {message}" in capsys.readouterr().err
-
-
 def test_malformed_trace_line_names_line(tmp_path: Path) -> None:
     bad = tmp_path / "t.jsonl"
     bad.write_text('{"hash_ids": [1, 2]}\n{"hash_ids": [3, -4]}\n')
