@@ -18,7 +18,7 @@ BLOCK = 5000  # not a multiple of 4096: exercises the padded payload
 _job_ids = itertools.count()
 
 
-def warnings_logged(records: list[logging.LogRecord]) -> list[str]:
+def kvcascade_warnings(records: list[logging.LogRecord]) -> list[str]:
     """The messages of kvcascade's own WARNING-or-worse records (``caplog.records``): asyncio's
     debug-mode reports of a slow loop step (``Executing ... took 0.147 seconds`` on a loaded
     machine) are left out, since the loop guard of tests/conftest.py judges those."""

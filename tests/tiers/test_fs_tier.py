@@ -30,17 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tier_helpers import (
-    BLOCK,
-    job,
-    key,
-    load,
-    lookups,
-    pattern,
-    running,
-    store,
-    warnings_logged,
-)
+import tier_helpers
+from tier_helpers import BLOCK, job, key, load, lookups, pattern, running, store
 
 import kvcascade as kc
 from kvcascade import LookupResult as R
@@ -1132,7 +1123,7 @@ async def test_disk_full_mid_run_is_one_rate_limited_warning_and_clean_failures(
                 f"{head} (later refused blocks of this tier: one warning per 60 s at most)"
             ]
             # and nothing else: the failed jobs were a second warning for the same fault
-            assert len(warnings_logged(caplog.records)) == 1
+            assert len(tier_helpers.kvcascade_warnings(caplog.records)) == 1
             assert logged("DEBUG") == [
                 f"{head} ({n} refused blocks since the last warning, {n + 1} in all)"
                 for n in range(1, refused)
@@ -1190,7 +1181,7 @@ async def test_read_only_filesystem_store_hits_and_misses(
     caplog.set_level(logging.INFO, logger="kvcascade")
 
     def warnings() -> list[str]:
-        return warnings_logged(caplog.records)
+        return tier_helpers.kvcascade_warnings(caplog.records)
 
     with mounted(tmp_path / "mnt", "tmpfs", "size=4m") as root:
         tier = make_tier(root, host)

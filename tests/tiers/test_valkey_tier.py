@@ -19,18 +19,9 @@ from typing import Any
 
 import pytest
 import redis
+import tier_helpers
 import valkey_fixtures
-from tier_helpers import (
-    BLOCK,
-    job,
-    key,
-    load,
-    lookups,
-    pattern,
-    running,
-    store,
-    warnings_logged,
-)
+from tier_helpers import BLOCK, job, key, load, lookups, pattern, running, store
 from valkey_fixtures import Cluster, Server, ThrottleProxy, free_port, needs_server
 
 import kvcascade as kc
@@ -134,7 +125,7 @@ async def test_startup_fails_naming_the_server_when_unreachable(
     with pytest.raises(kc.TierUnavailableError, match=f"{url}.*ConnectionError"):
         await asyncio.wait_for(tier.serve(), 10)
     assert tier._client is None
-    assert warnings_logged(caplog.records) == []
+    assert tier_helpers.kvcascade_warnings(caplog.records) == []
 
 
 async def test_startup_with_a_wrong_password_says_the_credentials_were_refused(
@@ -269,13 +260,13 @@ async def test_value_gone_between_lookup_and_load_is_a_debug_miss_errors_stay_wa
         records = [r for r in caplog.records if "load_failures so far" in r.getMessage()]
         assert [r.levelname for r in records] == ["DEBUG"]
         assert "valkey GET: no value under" in records[0].getMessage()
-        assert warnings_logged(caplog.records) == []
+        assert tier_helpers.kvcascade_warnings(caplog.records) == []
 
         client.delete(tier.object_key(key(1)), tier.object_key(key(2)))
         client.rpush(tier.object_key(key(2)), b"not a block")  # WRONGTYPE for GET
         caplog.clear()
         assert not (await load(tier, [1, 2], [6, 7])).success
-        [message] = warnings_logged(caplog.records)
+        [message] = tier_helpers.kvcascade_warnings(caplog.records)
         assert "valkey load of block 1 failed: valkey GET failed (ResponseError)" in message
         assert message.endswith("(load_failures so far: 2)")
         assert tier.counters["missing_blocks"] == 2
@@ -364,7 +355,7 @@ async def test_full_server_refuses_stores_logs_once_and_recovers(
             )
 
             def warnings() -> list[str]:
-                return warnings_logged(caplog.records)
+                return tier_helpers.kvcascade_warnings(caplog.records)
 
             assert warnings()[1:] == [oom]  # after the noeviction one; no job-failure warning
             # Past the window the server still refuses: the same episode, no second warning
