@@ -397,6 +397,10 @@ async def test_the_engines_own_kv_tensors_are_copied_to_and_from(tmp_path) -> No
             "hold 512 bytes per block, the GPU page is 1024",
         ),
         ([torch.zeros((1024, 16), dtype=torch.int8).t()], "not contiguous"),
+        (
+            torch.zeros((16, 1024), dtype=torch.int8),
+            r"kv_views must be a list .* got one torch.int8 \(16, 1024\) tensor: pass \[view\]",
+        ),
     ],
 )
 def test_kv_views_that_do_not_fit_are_refused_naming_the_view(views, message) -> None:

@@ -384,8 +384,15 @@ def _checked_views(
     device (``device`` when given), pages adding up to ``page_bytes``.
 
     Raises:
-        ConfigError: the first view that is not such a view, named by its index.
+        ConfigError: ``views`` is a tensor, not a sequence of them; the first view that is not
+            such a view, named by its index.
     """
+    if isinstance(views, torch.Tensor):  # list() would split it into its rows
+        raise ConfigError(
+            f"kv_views must be a list of int8 (num_blocks, page_bytes) tensors "
+            f"(kvcascade.canonical_views), got one {views.dtype} {tuple(views.shape)} tensor: "
+            "pass [view]"
+        )
     out = list(views)
     if not out:
         raise ConfigError("kv_views is empty: give the engine's canonical views")
