@@ -180,7 +180,7 @@ class CascadeConfig:
                 raise ConfigError(f"secondary tier name {name!r} is used twice or reserved")
             names.add(name)
             if tier["type"] == "fs":
-                root = os.path.realpath(os.fspath(tier["root_dir"]))
+                root = os.path.realpath(os.path.expanduser(tier["root_dir"]))
                 if root in roots:
                     raise ConfigError(
                         f"fs tiers {roots[root]!r} and {name!r} share root_dir {root!r}: one "

@@ -61,6 +61,20 @@ def test_two_fs_tiers_on_one_directory_are_refused(tmp_path: Path) -> None:
     kc.CascadeConfig(cpu_blocks=4, secondary_tiers=tiers, model_name="m")  # two directories
 
 
+def test_an_fs_root_dir_under_the_home_directory_is_expanded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``~/kv`` beside ``$HOME/kv`` is one directory (the tier expands a leading ``~``:
+    tests/tiers/test_fs_tier.py)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    tiers = [
+        {"type": "fs", "root_dir": "~/kv"},
+        {"type": "fs", "root_dir": str(tmp_path / "kv"), "name": "bounded", "max_bytes": 1 << 20},
+    ]
+    with pytest.raises(kc.ConfigError, match="'fs' and 'bounded' share root_dir"):
+        kc.CascadeConfig(cpu_blocks=4, secondary_tiers=tiers, model_name="m")
+
+
 @pytest.mark.parametrize(
     "tier",
     [

@@ -187,9 +187,9 @@ class FileSystemTier(SecondaryTier):
 
     Args:
         host: the primary tier's buffer.
-        root_dir: directory of the tier; created with mode 0700 (missing parents too) if
-            missing, with a warning naming it, so that a mistyped path is seen before it fills
-            another disk.
+        root_dir: directory of the tier (a leading ``~`` is the user's home, as in a shell);
+            created with mode 0700 (missing parents too) if missing, with a warning naming it,
+            so that a mistyped path is seen before it fills another disk.
         mapper: the namespace (:class:`FileMapper`).
         name: tier name in metrics and events (default ``"fs"``).
         io_threads: I/O threads (half prefer loads, half stores).
@@ -240,7 +240,7 @@ class FileSystemTier(SecondaryTier):
         )
         if max_bytes is not None and max_bytes <= 0:
             raise ConfigError(f"fs tier max_bytes must be > 0, got {max_bytes}")
-        self.root = Path(root_dir)
+        self.root = Path(root_dir).expanduser()
         self.mapper = mapper
         self.max_bytes = max_bytes
         self.block_file_bytes = file_size(host.block_bytes)

@@ -246,6 +246,21 @@ async def test_lookup_empty_tier(tmp_path: Path, host: kc.HostBuffer) -> None:
         assert await lookups(tier, [key(1), key(2)], ctx) == [R.MISS, R.MISS]
 
 
+async def test_a_root_dir_under_the_home_directory_is_expanded(
+    tmp_path: Path, host: kc.HostBuffer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``~/kv`` is the home's ``kv``, as in a shell: it was a literal ``./~/kv`` (user trial,
+    a quoted ``--fs-dir '~/kv'``)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    tier = make_tier(Path("~/kv"), host)
+    assert tier.root == tmp_path / "home" / "kv"
+    async with running(tier):
+        assert (await store(tier, host, [1])).success
+    assert (tmp_path / "home" / "kv" / tier.mapper.relative_path(key(1))).is_file()
+    assert not (tmp_path / "~").exists()
+
+
 async def test_store_creates_file_at_mapped_path_then_roundtrip(
     tmp_path: Path, host: kc.HostBuffer
 ) -> None:
