@@ -49,7 +49,7 @@ from ._types import (
     TransferJob,
 )
 from .backpressure import CascadeAdmission
-from .hints import admits_new_blocks
+from .hints import admits_new_blocks, may_continue
 from .index.cpu import CPUOffloadingManager
 from .metrics import TieringMetrics
 from .tiers.base import SecondaryTier
@@ -471,19 +471,32 @@ class TieringCoordinator:
             tier.touch(keys)
 
     # -- stores and cascade ------------------------------------------------------------------
+    def _admits_new_blocks(self, ctx: ReqContext, n: int) -> bool:
+        """Whether the request of ``ctx`` may store ``n`` new blocks.
+
+        Without secondary tiers the primary's policy decides
+        (:func:`kvcascade.hints.admits_new_blocks`: ``turn_aware``'s admission control, or the
+        hint rule ``continues=False`` of LRU and ARC). With secondary tiers only the hint rule
+        (:func:`kvcascade.hints.may_continue`): every store reaches them through the primary,
+        so a refusal by the primary's policy, which judges only whether the CPU tier should
+        keep the blocks, would keep them from every tier (``kvcascade replay``'s fs tier: prefix
+        hit ratio 0.3282 instead of the trace's 0.3664 once ``adaptive`` used it).
+        """
+        if self.tiers:
+            return may_continue(ctx)
+        return admits_new_blocks(ctx, self.primary.policy, n)
+
     def prepare_store(self, keys: Collection[bytes], ctx: ReqContext) -> PrepareStoreOutput | None:
         """Allocate primary slots for a GPU→CPU store (vLLM's ``prepare_store``); None when full.
 
         For a request with request-level tiers, keys already readable in the primary are sent
         to those tiers now (one store job per tier); keys another writer is still writing are
         sent once that write lands, and the request is finalized only after. Nothing new
-        is stored when the policy refuses the request's new blocks (``turn_aware``'s admission
-        control) or, for policies that do not read hints, when it is hinted
-        ``continues=False`` (:func:`kvcascade.hints.admits_new_blocks`).
+        is stored when the request is refused (:meth:`_admits_new_blocks`).
         """
         self._poll()
         new = sum(1 for k in keys if self.primary.get_block(k) is None)
-        if not admits_new_blocks(ctx, self.primary.policy, new):
+        if not self._admits_new_blocks(ctx, new):
             return PrepareStoreOutput([], CPULoadStoreSpec([]), [])
         out = self.primary.prepare_store(keys, ctx)
         if out is None:

@@ -24,11 +24,12 @@ def key(i: int) -> bytes:
 
 @asynccontextmanager
 async def tiering(
-    num_blocks: int = 5, num_tiers: int = 2
+    num_blocks: int = 5, num_tiers: int = 2, policy: str = "lru"
 ) -> AsyncIterator[tuple[kc.TieringCoordinator, kc.HostBuffer, list[kc.MemoryTier]]]:
-    """Primary of ``num_blocks`` slots and ``num_tiers`` in-memory tiers, actors running."""
+    """Primary of ``num_blocks`` slots (eviction ``policy``) and ``num_tiers`` in-memory tiers,
+    actors running."""
     host = kc.HostBuffer(num_blocks, 64)
-    primary = kc.CPUOffloadingManager(num_blocks, enable_events=True)
+    primary = kc.CPUOffloadingManager(num_blocks, policy, enable_events=True)
     tiers = [kc.MemoryTier(host, name=f"mem{i}") for i in range(num_tiers)]
     async with running(*tiers):
         yield kc.TieringCoordinator(primary, tiers), host, tiers
@@ -514,6 +515,37 @@ async def test_lru_admission_rule_for_sessions_that_will_not_continue() -> None:
         going_on.set_state(kc.SessionHint(continues=True))
         assert coord.prepare_store([key(1)], going_on).keys_to_store == [key(1)]
         assert coord.prepare_store([key(4)], kc.ReqContext("plain")).keys_to_store == [key(4)]
+
+
+@pytest.mark.parametrize("num_tiers", [0, 1])
+async def test_a_policy_refusal_keeps_new_blocks_out_only_without_secondary_tiers(
+    num_tiers: int,
+) -> None:
+    """``turn_aware`` refuses the new blocks of a request of a lower hint priority than every
+    resident block (its admission control). Without secondary tiers nothing is stored. With one
+    the store goes on and reaches it: every store reaches a secondary tier through the primary,
+    and the refusal judges only whether the CPU tier should keep the blocks
+    (``TieringCoordinator._admits_new_blocks``; ``kvcascade replay``'s fs tier lost a tenth of
+    its hits to such refusals). With one, ``continues=False`` still stores nothing."""
+    async with tiering(2, num_tiers, "turn_aware") as (coord, host, tiers):
+        vip = kc.ReqContext("vip")
+        vip.set_state(kc.SessionHint(priority=1))
+        coord.touch([key(1), key(2)], vip)
+        assert store(coord, vip, [key(1), key(2)], host) == [key(1), key(2)]
+        await settle(coord)
+        coord.poll_now()  # the cascade's pins released: both blocks evictable
+        low = kc.ReqContext("low")
+        coord.touch([key(3)], low)
+        assert coord.primary.policy.admits(low, 1) is False
+        stored = store(coord, low, [key(3)], host)
+        assert stored == ([key(3)] if num_tiers else [])
+        await settle(coord)
+        assert [set(t.blocks) for t in tiers] == [{key(1), key(2), key(3)}] * num_tiers
+        if num_tiers:  # the hint rule stays (without tiers turn_aware learns what hints mean)
+            done = kc.ReqContext("done")
+            done.set_state(kc.SessionHint(continues=False, priority=1))
+            coord.touch([key(4)], done)
+            assert store(coord, done, [key(4)], host) == []
 
 
 # -- issue #14: where the parts meet ----------------------------------------------------------

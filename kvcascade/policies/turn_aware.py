@@ -25,8 +25,9 @@ often. The policy therefore
    ``p (F(a + H) − F(a)) / (1 − p F(a))``;
 5. **admission**: a request's new blocks are stored only when a fresh block of its class is
    worth at least ``admission_margin`` times the cheapest evictable block (see :meth:`admits`;
-   the caller — :meth:`kvcascade.coordinator.TieringCoordinator.prepare_store` and the
-   ``--compare-policies`` replay — asks through :func:`kvcascade.hints.admits_new_blocks`).
+   the caller — :meth:`kvcascade.coordinator.TieringCoordinator.prepare_store` when the
+   cascade has no secondary tier, and the ``--compare-policies`` replay — asks through
+   :func:`kvcascade.hints.admits_new_blocks`).
 
 Time is logical: one tick per block a request reads (hit or miss, counted when the request is
 classified), a clock that does not depend on the cache's own decisions. The turnover time is
@@ -523,7 +524,8 @@ class TurnAwareCachePolicy(CachePolicy):
         touched yet), the ``n`` blocks fit in free slots, or nothing is evictable; otherwise
         when a fresh block of the request's class outranks the cheapest evictable block: a
         higher priority, or the same priority and ``admission_margin`` times its P(read within
-        ``H``). A refused request's blocks are not stored (nor cascaded to secondary tiers).
+        ``H``). A refused request's blocks are not stored; the coordinator asks only when the
+        cascade has no secondary tier (``TieringCoordinator._admits_new_blocks``).
         """
         if self.admission_margin is None or ctx is None:
             return True
