@@ -157,12 +157,19 @@ class Backend:
         self._down_until = time.monotonic() + self.retry_s
 
     def _mark_up(self) -> None:
-        self._answered = True
         if self._down_until:
-            log.warning(
-                "%s tier %s: %s %s answers again", self.kind, self.tier, self.noun, self.where
+            # A warning only after the "unreachable" one (_mark_down: not before a first answer)
+            log.log(
+                logging.WARNING if self._answered else logging.INFO,
+                "%s tier %s: %s %s answers %s",
+                self.kind,
+                self.tier,
+                self.noun,
+                self.where,
+                "again" if self._answered else "(its first answer)",
             )
             self._down_until = 0.0
+        self._answered = True
 
     def stored(self) -> None:
         """A store succeeded: an episode of refused writes is over (the next refusal warns)."""

@@ -41,6 +41,8 @@ def make(retry_s: float = 60.0) -> Backend:
 def test_down_then_up(caplog: pytest.LogCaptureFixture) -> None:
     backend = make()
     caplog.set_level(logging.INFO, logger="kvcascade")
+    with backend.translate("GET"):
+        pass  # it answered once: a later outage is warned about
     unreachable = r"kv GET: server kv://host:1 unreachable"
     with pytest.raises(kc.TierUnavailableError, match=unreachable), backend.translate("GET"):
         raise ConnectionRefusedError
@@ -52,6 +54,23 @@ def test_down_then_up(caplog: pytest.LogCaptureFixture) -> None:
     assert backend.available() and backend.refusing_writes() is None
     assert caplog.text.count("unreachable; lookups miss") == 1
     assert caplog.text.count("answers again") == 1
+
+
+def test_down_before_a_first_answer_then_up_is_no_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A server that has never answered is not warned about as down (a tier's start-up says
+    whether it is reachable), so its first answer is no "answers again" warning either."""
+    backend = make()
+    caplog.set_level(logging.INFO, logger="kvcascade")
+    with pytest.raises(kc.TierUnavailableError, match="unreachable"), backend.translate("GET"):
+        raise ConnectionRefusedError
+    with backend.translate("GET"):
+        pass
+    assert backend.available()
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("INFO", "kv tier t: server kv://host:1 answers (its first answer)")
+    ]
 
 
 def test_answers_never_quote_the_backend_text() -> None:
