@@ -163,7 +163,7 @@ def probe_o_direct(directory: str | os.PathLike[str]) -> bool:
     except OSError as exc:
         if fd is None and exc.errno in _UNWRITABLE_ERRNOS:
             # Not a warning: the first store it refuses is (FileSystemTier._store_failed).
-            log.info("fs tier: %s is not writable (%s): stores will fail", directory, exc)
+            log.info("fs tier: %s is not writable (%s): stores will fail", directory, exc.strerror)
         elif exc.errno in _FULL_ERRNOS:
             # Not "full": a bounded tier evicts before it writes, so its stores may well fit.
             log.info(
