@@ -236,8 +236,9 @@ def build_replay_config(
     """Merge ``--config`` keys with the command-line options: an option fills in its key (an
     fs, s3 or valkey option that of the first tier of its type, added if ``--config`` has
     none, except fs); an fs tier without ``root_dir`` gets ``temporary_root()`` (a directory
-    removed after the replay); ``model_name`` is :data:`REPLAY_MODEL_NAME` unless ``--config``
-    names one.
+    removed after the replay), a ``root_dir`` starting with ``~`` is expanded as the fs tier
+    expands it (the report names the directory used); ``model_name`` is
+    :data:`REPLAY_MODEL_NAME` unless ``--config`` names one.
 
     An option whose key ``--config`` sets too is refused rather than letting one win: the
     report is read as the run of the configuration given, and a file edited to say one thing
@@ -277,9 +278,12 @@ def build_replay_config(
         )
     if isinstance(tiers, list):
         _fill_tier_options(args, tiers)
-    if temporary_root is not None and isinstance(tiers, list):
-        for tier in tiers:
-            if isinstance(tier, dict) and tier.get("type") == "fs" and not tier.get("root_dir"):
+    for tier in tiers if isinstance(tiers, list) else []:
+        if isinstance(tier, dict) and tier.get("type") == "fs":
+            root = tier.get("root_dir")
+            if isinstance(root, str) and root:
+                tier["root_dir"] = os.path.expanduser(root)
+            elif temporary_root is not None and not root:
                 tier["root_dir"] = temporary_root()
     extra["secondary_tiers"] = tiers
     extra.setdefault("model_name", REPLAY_MODEL_NAME)

@@ -664,15 +664,17 @@ def _rows(table: str) -> dict[str, str]:
 
 
 def test_summary_echoes_the_configuration_and_reports_each_tier(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue #21 item 7: the table starts with the configuration (sizes, tiers and their
-    directories), gives the lookup+load latency percentiles, per tier dropped / failed /
-    corrupt rows, and "served wrong" on its own line; the JSON carries the same."""
+    directories, a ``~`` expanded as the fs tier expands it), gives the lookup+load latency
+    percentiles, per tier dropped / failed / corrupt rows, and "served wrong" on its own line;
+    the JSON carries the same."""
+    monkeypatch.setenv("HOME", str(tmp_path))
     out = tmp_path / "r.json"
     fs_dir = tmp_path / "fs"
     argv = ["replay", "--requests", "40", "--block-bytes", "128", "--cpu-blocks", "16"]
-    argv += ["--fs-dir", str(fs_dir), "--fs-max-bytes", "300000", "--json", str(out), "--quiet"]
+    argv += ["--fs-dir", "~/fs", "--fs-max-bytes", "300000", "--json", str(out), "--quiet"]
     assert main(argv) == 0
     table = capsys.readouterr().out
     head, config, body = table.split("\n" + "-" * len(table.splitlines()[1]) + "\n")
