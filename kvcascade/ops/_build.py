@@ -15,7 +15,14 @@ path.
 No build ever sits on the serving path (issue #15): the copy paths call
 :func:`extension_if_ready`, which starts the build in a child process (watched by a background
 thread) and returns ``None`` until the extension has loaded; meanwhile they copy with the
-fallbacks of :func:`kvcascade.ops.batch_copy`.
+fallbacks of :func:`kvcascade.ops.batch_copy`. A build that completed writes
+:data:`BUILT_STAMP` (the library's size and mtime); while the library matches it, it is
+imported directly, with no child process and no ninja run. A server started on a built cache
+so starts no process of kvcascade's: vLLM's shutdown without ``--shutdown-timeout`` kills its
+engine core's process tree (``kill_process_tree`` in vLLM's ``vllm/utils/system_utils.py``)
+and fails on a descendant that exits while it walks the tree (ninja and the compiler's
+short-lived processes are such descendants), leaving the API server running
+(docs/vllm.md, *Exit and shutdown*).
 
 Sources are found in ``kvcascade/_kernels`` (installed wheel, hatchling force-include) or
 ``<repo>/kernels`` (source checkout); ``KVCASCADE_KERNELS_DIR`` overrides both.
@@ -45,6 +52,8 @@ CPP_SOURCE = "swap_blocks.cpp"
 FS_IO_SOURCE = "fs_io.cpp"
 CUDA_SOURCE = "swap_blocks_cuda.cu"
 TRITON_SOURCE = "triton_swap.py"
+#: Written in a build directory once a build completed: the library's size and mtime.
+BUILT_STAMP = "kvcascade.built"
 
 _lock = threading.Lock()
 _extension: ModuleType | None = None
@@ -134,10 +143,40 @@ def _exclusive(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _stamp(library: Path) -> str:
+    """Size and mtime of a built library: what :data:`BUILT_STAMP` records of it."""
+    st = library.stat()
+    return f"{st.st_size} {st.st_mtime_ns}\n"
+
+
+def _built_library(name: str) -> Path | None:
+    """The library of build ``name`` if that build completed and the library is still the one
+    it linked (:data:`BUILT_STAMP`), else ``None``."""
+    directory = build_dir(name)
+    library = directory / f"{name}.so"
+    try:
+        return library if (directory / BUILT_STAMP).read_text() == _stamp(library) else None
+    except OSError:
+        return None
+
+
+def _import_library(name: str, library: Path) -> ModuleType:
+    """Import a built library as module ``name``, as torch's ``cpp_extension.load`` does."""
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _build() -> ModuleType:
+    name, sources, with_cuda = extension_spec()
+    library = _built_library(name)
+    if library is not None:  # no ninja run, no process started (module docstring)
+        return _import_library(name, library)
     from torch.utils import cpp_extension
 
-    name, sources, with_cuda = extension_spec()
     cflags = ["-O3", "-std=c++17", "-pthread"] + (["-DKVCASCADE_WITH_CUDA"] if with_cuda else [])
     directory = build_dir(name)
     with (
@@ -159,6 +198,9 @@ def _build() -> ModuleType:
             with_cuda=with_cuda,
             verbose=False,
         )
+        stamp = directory / f"{BUILT_STAMP}.tmp"
+        stamp.write_text(_stamp(directory / f"{name}.so"))
+        stamp.replace(directory / BUILT_STAMP)
     for w in caught:
         log.debug("kernel build: %s", w.message)
     return module
@@ -225,7 +267,7 @@ def _build_in_child() -> str | None:
 
 def _background_load() -> None:
     global _attempted, _error
-    if os.environ.get("KVCASCADE_DISABLE_EXTENSION") != "1":
+    if os.environ.get("KVCASCADE_DISABLE_EXTENSION") != "1" and not _is_built():
         error = _build_in_child()
         if error is not None:
             with _lock:
@@ -238,6 +280,13 @@ def _background_load() -> None:
                     )
             return
     load_extension()  # built (or disabled): loads in about a second
+
+
+def _is_built() -> bool:
+    try:
+        return _built_library(extension_spec()[0]) is not None
+    except OSError:  # no sources: load_extension says so
+        return False
 
 
 def extension_if_ready() -> ModuleType | None:

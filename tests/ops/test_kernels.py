@@ -101,6 +101,56 @@ def test_cpu_extension_compiled() -> None:
     assert select_kernel(a, b, 20) == "cpp"
 
 
+def test_a_completed_build_loads_without_ninja_or_a_process() -> None:
+    """A process started on a completed build imports its library directly: it starts no
+    process (the ``subprocess.Popen`` audit event never fires) and needs no ninja or compiler
+    (``PATH`` has none). vLLM's shutdown without ``--shutdown-timeout`` fails on an engine
+    descendant that exits while it kills the tree (docs/vllm.md, *Exit and shutdown*): a server
+    on a built cache must start none."""
+    if _build.load_extension() is None:
+        pytest.skip(f"extension not built: {_build.extension_error()}")
+    code = textwrap.dedent(
+        """
+        import sys
+        started = []
+        sys.addaudithook(lambda event, args: started.append(args[0]) if event in (
+            "subprocess.Popen", "os.posix_spawn", "os.fork", "os.exec") else None)
+        from kvcascade.ops import _build
+        assert _build.extension_if_ready() is None  # loads in the background
+        _build._background.join(60)
+        ext = _build.extension_if_ready()
+        print(ext is not None and hasattr(ext, "batch_copy"), started, _build.extension_error())
+        """
+    )
+    env = {**os.environ, "PATH": "/nonexistent"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True", "[]", "None"]
+
+
+def test_a_changed_library_is_not_taken_for_the_completed_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stamp names the library's size and mtime: a library replaced or touched since its
+    build completed is built again (torch's ``load``, which runs ninja), never imported blind."""
+    if _build.load_extension() is None:
+        pytest.skip(f"extension not built: {_build.extension_error()}")
+    name = _build.extension_spec()[0]
+    built = _build.build_dir(name)
+    monkeypatch.setenv("KVCASCADE_BUILD_DIR", str(tmp_path))
+    copy = _build.build_dir(name)
+    for file in (f"{name}.so", _build.BUILT_STAMP):
+        shutil.copy2(built / file, copy / file)
+    assert _build._built_library(name) == copy / f"{name}.so"
+    stat = (copy / f"{name}.so").stat()
+    os.utime(copy / f"{name}.so", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert _build._built_library(name) is None
+    (copy / _build.BUILT_STAMP).unlink()
+    assert _build._built_library(name) is None
+
+
 def test_kernel_sources_found() -> None:
     d = _build.kernels_dir()
     assert d is not None
