@@ -13,16 +13,16 @@ build fails, one warning is logged and ``None`` is returned; callers fall back t
 path.
 
 No build ever sits on the serving path (issue #15): the copy paths call
-:func:`extension_if_ready`, which starts the build in a child process (watched by a background
-thread) and returns ``None`` until the extension has loaded; meanwhile they copy with the
+:func:`extension_if_ready`, which starts the build in a process of its own (watched by a
+background thread) and returns ``None`` until the extension has loaded; meanwhile they copy with the
 fallbacks of :func:`kvcascade.ops.batch_copy`. A build that completed writes
 :data:`BUILT_STAMP` (the library's size and mtime); while the library matches it, it is
-imported directly, with no child process and no ninja run. A server started on a built cache
-so starts no process of kvcascade's: vLLM's shutdown without ``--shutdown-timeout`` kills its
-engine core's process tree (``kill_process_tree`` in vLLM's ``vllm/utils/system_utils.py``)
-and fails on a descendant that exits while it walks the tree (ninja and the compiler's
-short-lived processes are such descendants), leaving the API server running
-(docs/vllm.md, *Exit and shutdown*).
+imported directly, with no child process and no ninja run. A build that runs is not a
+descendant of the process that wants it (:func:`_build_in_child`): vLLM's shutdown without
+``--shutdown-timeout`` kills its engine core's process tree (``kill_process_tree`` in vLLM's
+``vllm/utils/system_utils.py``) and fails on a descendant that exits while it walks the tree
+(ninja's and the compiler's short-lived processes would be such descendants), leaving the API
+server running (docs/vllm.md, *Exit and shutdown*).
 
 Sources are found in ``kvcascade/_kernels`` (installed wheel, hatchling force-include) or
 ``<repo>/kernels`` (source checkout); ``KVCASCADE_KERNELS_DIR`` overrides both.
@@ -237,32 +237,42 @@ def load_extension() -> ModuleType | None:
 
 
 _CHILD_BUILD = (
-    "import sys\n"
+    "import os, sys\n"
+    "if os.fork():\n"  # the builder leaves the caller's process tree (_build_in_child)
+    "    os._exit(0)\n"
     "sys.path.insert(0, sys.argv[1])\n"
     "from kvcascade.ops import _build\n"
     "if _build.load_extension() is None:\n"
     "    sys.exit(_build.extension_error())\n"
+    "print('built')\n"
 )
 
 
 def _build_in_child() -> str | None:
-    """Build in a child process of its own session; ``None`` on success, else its error.
+    """Build in a process of its own session, outside this process's tree; ``None`` on
+    success, else its error.
 
-    The child holds the build directory's ``flock`` until ninja is done, even if this process
+    The builder holds the build directory's ``flock`` until ninja is done, even if this process
     exits meanwhile (a build thread's ninja would outlive its process and the lock with it, and
-    race the next process's ninja on the same object files)."""
+    race the next process's ninja on the same object files). It is the grandchild of a
+    launcher that exits at once, so neither it nor ninja and the compiler are descendants of
+    this process: vLLM's shutdown without ``--shutdown-timeout`` kills the engine core's tree
+    and fails on a descendant that exits while it walks it (module docstring). The result
+    comes through the builder's pipes, which stay open until it exits."""
     root = str(Path(__file__).resolve().parents[2])
-    proc = subprocess.run(
+    with subprocess.Popen(
         [sys.executable, "-c", _CHILD_BUILD, root],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        check=False,
-    )
-    if proc.returncode == 0:
+    ) as launcher:
+        launcher.wait()  # at once: reaped, no process of the build is left in this tree
+        out, err = launcher.communicate()  # until the builder exits (EOF on its pipes)
+    if out.split()[-1:] == ["built"]:
         return None
-    lines = proc.stderr.strip().splitlines()
-    return lines[-1] if lines else f"build process exited with status {proc.returncode}"
+    lines = err.strip().splitlines()
+    return lines[-1] if lines else f"build process exited with status {launcher.returncode}"
 
 
 def _background_load() -> None:
