@@ -176,8 +176,12 @@ class CascadeConfig:
         for tier in self.secondary_tiers:
             check_tier_config(tier, self.block_bytes)
             name = tier.get("name", tier["type"])
-            if name in names or name in ("gpu", "cpu"):
-                raise ConfigError(f"secondary tier name {name!r} is used twice or reserved")
+            if name in ("gpu", "cpu"):
+                raise ConfigError(f"secondary tier name {name!r} is reserved (the GPU and CPU tiers' names)")
+            if name in names:
+                raise ConfigError(
+                    f"secondary tier name {name!r} is used twice; give each tier its own 'name'"
+                )
             names.add(name)
             if tier["type"] == "fs":
                 root = os.path.realpath(os.path.expanduser(tier["root_dir"]))
