@@ -177,7 +177,9 @@ class CascadeConfig:
             check_tier_config(tier, self.block_bytes)
             name = tier.get("name", tier["type"])
             if name in ("gpu", "cpu"):
-                raise ConfigError(f"secondary tier name {name!r} is reserved (the GPU and CPU tiers' names)")
+                raise ConfigError(
+                    f"secondary tier name {name!r} is reserved (the GPU and CPU tiers' names)"
+                )
             if name in names:
                 raise ConfigError(
                     f"secondary tier name {name!r} is used twice; give each tier its own 'name'"
