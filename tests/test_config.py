@@ -136,3 +136,16 @@ def test_a_tier_name_used_twice_or_reserved_is_refused(tiers: list, message: str
     with pytest.raises(kc.ConfigError) as err:
         kc.CascadeConfig(cpu_blocks=4, secondary_tiers=tiers)
     assert str(err.value) == message
+
+
+def test_an_unsupported_spec_name_is_refused_as_the_connector_refuses_it() -> None:
+    """``kvcascade replay --config '{"spec_name": "Foo"}'`` ran, and the same extra config
+    failed at vLLM's engine start (user trial)."""
+    with pytest.raises(kc.ConfigError) as err:
+        kc.CascadeConfig.from_extra_config({"spec_name": "TieringSpec", "cpu_blocks": 4})
+    assert str(err.value) == (
+        "Unsupported spec type 'TieringSpec'; kvcascade accepts "
+        "('CPUOffloadingSpec', 'TieringOffloadingSpec')"
+    )
+    config = kc.CascadeConfig.from_extra_config({"spec_name": "CPUOffloadingSpec", "cpu_blocks": 4})
+    assert config.cpu_blocks == 4

@@ -75,7 +75,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without vLLM
         "kvcascade.integrations.vllm needs vLLM (pip install 'kvcascade[vllm]')"
     ) from exc
 
-from .._config import CascadeConfig
+from .._config import CascadeConfig, spec_name_of
 from .._errors import ConfigError
 from .._lifecycle import build_coordinator
 from ..coordinator import TieringCoordinator
@@ -115,7 +115,6 @@ log = logging.getLogger(__name__)
 
 #: vLLM releases this adapter is written and tested against: ``[low, high)``.
 SUPPORTED_VLLM = ("0.32", "0.34")
-_SPECS = ("CPUOffloadingSpec", "TieringOffloadingSpec")
 
 
 def check_vllm_version(version: str) -> None:
@@ -294,9 +293,7 @@ def _setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> _Setup:
     kv_transfer_config = vllm_config.kv_transfer_config
     assert kv_transfer_config is not None
     extra = dict(kv_transfer_config.kv_connector_extra_config or {})
-    spec_name = extra.get("spec_name", "CPUOffloadingSpec")
-    if spec_name not in _SPECS:
-        raise ValueError(f"Unsupported spec type {spec_name!r}; kvcascade accepts {_SPECS}")
+    spec_name = spec_name_of(extra)
     tiers = extra.get("secondary_tiers", [])
     if not isinstance(tiers, list):
         raise ValueError(f"secondary_tiers must be a list, got {tiers!r}")
