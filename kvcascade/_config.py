@@ -59,9 +59,30 @@ def redact(tier: dict[str, Any]) -> dict[str, Any]:
     return {k: "***" if k in _SECRET_KEYS and v else v for k, v in tier.items()}
 
 
+#: The ``spec_name`` values kvcascade implements (vLLM's offloading specs).
+OFFLOADING_SPECS = ("CPUOffloadingSpec", "TieringOffloadingSpec")
+
+
+def spec_name_of(extra: dict[str, Any]) -> str:
+    """The ``spec_name`` of a ``kv_connector_extra_config`` (vLLM's default
+    ``CPUOffloadingSpec``).
+
+    Raises:
+        ConfigError: another value (vLLM's message), so that ``kvcascade replay --config``
+            refuses what the connector refuses.
+    """
+    spec_name = extra.get("spec_name", OFFLOADING_SPECS[0])
+    if spec_name not in OFFLOADING_SPECS:
+        raise ConfigError(
+            f"Unsupported spec type {spec_name!r}; kvcascade accepts {OFFLOADING_SPECS}"
+        )
+    return spec_name
+
+
 def _check_vllm_keys(extra: dict[str, Any]) -> None:
     """The validation vLLM applies to its keys that kvcascade accepts (vLLM's
     ``build_offloading_config``)."""
+    spec_name_of(extra)
     if "block_size" in extra and "blocks_per_chunk" in extra:
         raise ConfigError("Specify only one of block_size and blocks_per_chunk")
     for key in ("blocks_per_chunk", "block_size"):
@@ -176,8 +197,14 @@ class CascadeConfig:
         for tier in self.secondary_tiers:
             check_tier_config(tier, self.block_bytes)
             name = tier.get("name", tier["type"])
-            if name in names or name in ("gpu", "cpu"):
-                raise ConfigError(f"secondary tier name {name!r} is used twice or reserved")
+            if name in ("gpu", "cpu"):
+                raise ConfigError(
+                    f"secondary tier name {name!r} is reserved (the GPU and CPU tiers' names)"
+                )
+            if name in names:
+                raise ConfigError(
+                    f"secondary tier name {name!r} is used twice; give each tier its own 'name'"
+                )
             names.add(name)
             if tier["type"] == "fs":
                 root = os.path.realpath(os.path.expanduser(tier["root_dir"]))
@@ -218,7 +245,7 @@ class CascadeConfig:
         """Build from a ``kv_connector_extra_config``-style dict; ``overrides`` win.
 
         vLLM keys with no meaning outside a vLLM engine (``spec_name``, ``block_size``, …) are
-        accepted and ignored here.
+        accepted and ignored here, once their values pass vLLM's checks (``_check_vllm_keys``).
 
         Raises:
             ConfigError: an unknown key (the message lists the known ones) or a bad value.

@@ -16,6 +16,14 @@ import kvcascade as kc
         ({"eviction_policy": None}, "eviction_policy must be a string, got NoneType"),
         ({"eviction_policy": "mru"}, "Unknown cache policy"),
         ({"secondary_tiers": [{"type": "fs"}]}, "fs tier needs 'root_dir'"),
+        (
+            {"secondary_tiers": [{"type": "fs", "root_dir": 5}]},
+            "fs tier root_dir must be a non-empty directory path, got 5",
+        ),
+        (
+            {"secondary_tiers": [{"type": "fs", "root_dir": ""}]},
+            "fs tier root_dir must be a non-empty directory path, got ''",
+        ),
         ({"secondary_tiers": [{"type": "fs", "root_dir": "R", "io_threads": 0}]}, "got 0"),
         ({"secondary_tiers": [{"type": "fs", "root_dir": "R", "max_bytes": -5}]}, "got -5"),
         ({"secondary_tiers": [{"type": "fs", "root_dir": "R", "bogus": 1}]}, "['bogus']"),
@@ -109,3 +117,35 @@ def test_cpu_and_memory_only_configs_need_no_model_name() -> None:
         assert kc.CascadeConfig(cpu_blocks=4, secondary_tiers=[{"type": kind}]).model_name is None
     with pytest.raises(kc.ConfigError, match="model_name must be a non-empty string, got ''"):
         kc.CascadeConfig(cpu_blocks=4, model_name="")
+
+
+@pytest.mark.parametrize(
+    ("tiers", "message"),
+    [
+        (
+            [{"type": "memory"}, {"type": "memory"}],
+            "secondary tier name 'memory' is used twice; give each tier its own 'name'",
+        ),
+        (
+            [{"type": "memory", "name": "cpu"}],
+            "secondary tier name 'cpu' is reserved (the GPU and CPU tiers' names)",
+        ),
+    ],
+)
+def test_a_tier_name_used_twice_or_reserved_is_refused(tiers: list, message: str) -> None:
+    with pytest.raises(kc.ConfigError) as err:
+        kc.CascadeConfig(cpu_blocks=4, secondary_tiers=tiers)
+    assert str(err.value) == message
+
+
+def test_an_unsupported_spec_name_is_refused_as_the_connector_refuses_it() -> None:
+    """``kvcascade replay --config '{"spec_name": "Foo"}'`` ran, and the same extra config
+    failed at vLLM's engine start (user trial)."""
+    with pytest.raises(kc.ConfigError) as err:
+        kc.CascadeConfig.from_extra_config({"spec_name": "TieringSpec", "cpu_blocks": 4})
+    assert str(err.value) == (
+        "Unsupported spec type 'TieringSpec'; kvcascade accepts "
+        "('CPUOffloadingSpec', 'TieringOffloadingSpec')"
+    )
+    config = kc.CascadeConfig.from_extra_config({"spec_name": "CPUOffloadingSpec", "cpu_blocks": 4})
+    assert config.cpu_blocks == 4

@@ -75,7 +75,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without vLLM
         "kvcascade.integrations.vllm needs vLLM (pip install 'kvcascade[vllm]')"
     ) from exc
 
-from .._config import CascadeConfig
+from .._config import CascadeConfig, spec_name_of
+from .._errors import ConfigError
 from .._lifecycle import build_coordinator
 from ..coordinator import TieringCoordinator
 from ..hints import with_envelope_hint
@@ -114,7 +115,6 @@ log = logging.getLogger(__name__)
 
 #: vLLM releases this adapter is written and tested against: ``[low, high)``.
 SUPPORTED_VLLM = ("0.32", "0.34")
-_SPECS = ("CPUOffloadingSpec", "TieringOffloadingSpec")
 
 
 def check_vllm_version(version: str) -> None:
@@ -276,6 +276,10 @@ def _namespace_identity(
     )
 
 
+#: ``CascadeConfig`` keys a vLLM engine sets itself (``_build_tiers``); refused in the extra config.
+_ENGINE_DERIVED_KEYS = frozenset({"cpu_blocks", "gpu_blocks", "block_bytes"})
+
+
 def _setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> _Setup:
     """Validate the extra config with OffloadingConnector's rules and derive the geometry.
 
@@ -283,14 +287,13 @@ def _setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> _Setup:
         ValueError: unsupported ``spec_name``, ``secondary_tiers`` not a list or given to the CPU
             spec, ``store_threshold >= 2``, an unknown cache policy, ``blocks_per_chunk`` /
             ``block_size`` conflicts (vLLM's messages), a non-attention group.
-        ConfigError: ``cpu_bytes_to_use`` missing or invalid, unknown keys, a bad tier config.
+        ConfigError: ``cpu_bytes_to_use`` missing or invalid, unknown keys, a key the engine
+            sets itself (``cpu_blocks``, ``gpu_blocks``, ``block_bytes``), a bad tier config.
     """
     kv_transfer_config = vllm_config.kv_transfer_config
     assert kv_transfer_config is not None
     extra = dict(kv_transfer_config.kv_connector_extra_config or {})
-    spec_name = extra.get("spec_name", "CPUOffloadingSpec")
-    if spec_name not in _SPECS:
-        raise ValueError(f"Unsupported spec type {spec_name!r}; kvcascade accepts {_SPECS}")
+    spec_name = spec_name_of(extra)
     tiers = extra.get("secondary_tiers", [])
     if not isinstance(tiers, list):
         raise ValueError(f"secondary_tiers must be a list, got {tiers!r}")
@@ -298,6 +301,13 @@ def _setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> _Setup:
         raise ValueError("secondary_tiers needs spec_name 'TieringOffloadingSpec'")
     if int(extra.get("store_threshold", 0)) >= 2:
         raise ValueError("store_threshold >= 2 (reuse filtering) is not supported by kvcascade")
+    derived = sorted(set(extra) & _ENGINE_DERIVED_KEYS)
+    if derived:  # from_extra_config's overrides would replace them without a word
+        raise ConfigError(
+            f"kv_connector_extra_config keys {derived} are derived by the connector from the "
+            "engine (the CPU tier's size from cpu_bytes_to_use, the block from the KV cache "
+            "geometry); remove them"
+        )
     resolve_cache_policy(
         extra.get("eviction_policy", CascadeConfig.eviction_policy),
         extra.get("cache_policy_module_path"),

@@ -217,6 +217,8 @@ def _load_config_arg(text: str | None) -> dict[str, Any]:
     source = "--config"
     if text.startswith("@"):
         source = text[1:]
+        if not source:
+            raise ConfigError("--config @ needs a file name after the @ (--config @config.json)")
         try:
             text = Path(source).read_text()
         except OSError as exc:

@@ -298,6 +298,22 @@ class FileSystemTier(SecondaryTier):
         self._write_config()
         self.data_dir.mkdir(mode=0o700, exist_ok=True)
 
+    def _recreate_namespace(self) -> None:
+        """Create the namespace again after something removed it while the tier ran
+        (``kvcascade purge --all`` or ``--namespace``, ``kvcascade/_admin.py``): without it
+        every later store failed with ``No such file or directory`` until a restart.
+
+        Raises:
+            OSError, ConfigError: as :meth:`_make_namespace` (the store job fails with it).
+        """
+        self._make_namespace()
+        log.warning(
+            "fs tier %s: its namespace %s was removed while the tier ran (kvcascade purge?); "
+            "created it again",
+            self.name,
+            self.data_dir,
+        )
+
     def _write_config(self) -> None:
         path = self.root / self.mapper.config_relative_path()
         path.parent.mkdir(mode=0o700, exist_ok=True)
@@ -495,6 +511,8 @@ class FileSystemTier(SecondaryTier):
             TransferError: some blocks failed (:meth:`_store_failed`).
             TimeoutError: the job passed its deadline (its result is discarded).
         """
+        if not self.data_dir.is_dir():  # one stat a job
+            self._recreate_namespace()
         ext = self._compiled(rows)
         if ext is None:
             return self._store_blocks_py(keys, rows)
@@ -1021,9 +1039,11 @@ def check_fs_tier_config(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any
     unknown = sorted(set(cfg) - _CONFIG_KEYS)
     if unknown:
         raise ConfigError(f"unknown fs tier keys {unknown}; known: {sorted(_CONFIG_KEYS)}")
-    root = cfg.get("root_dir")
-    if not isinstance(root, (str, os.PathLike)) or not str(root):
+    if "root_dir" not in cfg:
         raise ConfigError("fs tier needs 'root_dir' (a directory path)")
+    root = cfg["root_dir"]
+    if not isinstance(root, (str, os.PathLike)) or not str(root):
+        raise ConfigError(f"fs tier root_dir must be a non-empty directory path, got {root!r}")
 
     def integer(key: str, default: int) -> int:
         return config_int(cfg, key, default, "fs tier")

@@ -126,3 +126,17 @@ def test_a_changed_field_is_another_namespace(
     tiers never serve one engine's KV to the other. (The connector recorded none of these but
     dtype and blocks_per_chunk, and ``kv_layout="NHD"`` whatever vLLM registered.)"""
     assert namespace(model_dir, **args).namespace != namespace(model_dir).namespace, change
+
+
+@needs_vllm
+@pytest.mark.parametrize("key", ["cpu_blocks", "gpu_blocks", "block_bytes"])
+def test_a_key_the_engine_sets_itself_is_refused(model_dir: Path, key: str) -> None:
+    """``cpu_blocks: 100000`` next to ``cpu_bytes_to_use`` was replaced by the slots
+    ``cpu_bytes_to_use`` gives, without a word (user trial)."""
+    with pytest.raises(kcv.ConfigError) as err:
+        namespace(model_dir, extra={key: 100000})
+    assert str(err.value) == (
+        f"kv_connector_extra_config keys ['{key}'] are derived by the connector from the "
+        "engine (the CPU tier's size from cpu_bytes_to_use, the block from the KV cache "
+        "geometry); remove them"
+    )

@@ -218,6 +218,14 @@ def test_json_report_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         (["replay", "/nonexistent/trace.jsonl"], "/nonexistent/trace.jsonl"),
         (["replay", "--requests", "2", "--config", '{"cpu_bytes": 1}'], "cpu_bytes"),
         (["replay", "--requests", "2", "--config", "{not json"], "not valid JSON"),
+        (  # said "cannot read --config file '': Is a directory"
+            ["replay", "--requests", "2", "--config", "@"],
+            "--config @ needs a file name after the @ (--config @config.json)",
+        ),
+        (
+            ["replay", "--requests", "2", "--config", '{"spec_name": "Tiering"}'],
+            "Unsupported spec type 'Tiering'",
+        ),
         (["replay", "--requests", "2", "--eviction-policy", "nope"], "nope"),
         (
             ["replay", "--requests", "2", "--gpu-blocks", "3"],

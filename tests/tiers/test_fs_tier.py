@@ -35,6 +35,7 @@ from tier_helpers import BLOCK, job, key, load, lookups, pattern, running, store
 
 import kvcascade as kc
 from kvcascade import LookupResult as R
+from kvcascade._admin import purge_root
 from kvcascade.ops import _build
 from kvcascade.replay.cli import main
 from kvcascade.tiers import base, fs
@@ -283,6 +284,31 @@ async def test_store_creates_file_at_mapped_path_then_roundtrip(
         assert bytes(host.row(7)) == pattern(1) and bytes(host.row(9)) == pattern(2)
         assert path.is_file() and list(tier.take_events()) == []
         assert await lookups(tier, [key(1), key(2)], kc.ReqContext("r")) == [R.HIT, R.HIT]
+
+
+async def test_a_namespace_purged_while_the_tier_runs_is_created_again(
+    tmp_path: Path, host: kc.HostBuffer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``kvcascade purge --all`` on the root of a running tier removed its namespace, and
+    every later store failed (``No such file or directory: '…_r0/040'``) until a restart (user
+    trial, a ``vllm serve`` on the root): the next store creates the namespace again, says so
+    once, and its blocks load back; the purged block is a miss."""
+    tier = make_tier(tmp_path, host)
+    async with running(tier):
+        assert (await store(tier, host, [1])).success
+        assert (await asyncio.to_thread(purge_root, tmp_path)).files == 1
+        assert not tier.data_dir.exists()
+        with caplog.at_level(logging.WARNING, logger="kvcascade"):
+            assert (await store(tier, host, [2, 3], [4, 5])).success
+            assert (await store(tier, host, [4], [6])).success
+        assert [r.getMessage() for r in caplog.records if r.name.startswith("kvcascade")] == [
+            f"fs tier fs: its namespace {tier.data_dir} was removed while the tier ran "
+            "(kvcascade purge?); created it again"
+        ]
+        assert (tmp_path / tier.mapper.config_relative_path()).is_file()
+        assert (await load(tier, [2, 3], [7, 9])).success
+        assert bytes(host.row(7)) == pattern(2) and bytes(host.row(9)) == pattern(3)
+        assert not (await load(tier, [1], [10])).success
 
 
 def test_invalid_root_raises_at_construction(tmp_path: Path, host: kc.HostBuffer) -> None:
