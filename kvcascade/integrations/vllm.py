@@ -117,6 +117,24 @@ log = logging.getLogger(__name__)
 SUPPORTED_VLLM = ("0.32", "0.34")
 
 
+def _log_through_vllm() -> None:
+    """Give the ``kvcascade`` logger the handlers and level of vLLM's ``vllm`` logger
+    (``vllm/logger.py``'s default config, which does not propagate), so kvcascade's lines reach
+    the engine's log formatted as vLLM's own: the INFO ``tiers ready`` line
+    (docs/operators.md), warnings with their process prefix. Without it only warnings reached
+    stderr, bare (Python's last-resort handler). Nothing changes when the application set up
+    logging itself (a handler on ``kvcascade`` or on the root logger) or vLLM did not
+    (``VLLM_CONFIGURE_LOGGING=0``)."""
+    ours, theirs = logging.getLogger("kvcascade"), logging.getLogger("vllm")
+    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
 def check_vllm_version(version: str) -> None:
     """Raise a clear error when ``version`` is outside :data:`SUPPORTED_VLLM`.
 
@@ -831,6 +849,7 @@ class KVCascadeConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         check_vllm_version(vllm.__version__)
+        _log_through_vllm()
         super().__init__(vllm_config, role, kv_cache_config)
         setup = _setup(vllm_config, kv_cache_config)
         self._setup = setup

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -347,6 +348,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
         got["first_stop"] = first.stop()
         sub.close()
     got["region_after_stop"] = region_files(engine_id)
+    got["first_log"] = (tmp / "first.log").read_text(errors="replace")
     got["block_files"] = sorted(p.stem for p in fs_root.rglob("*.bin"))
 
     again = Server(model, tmp / "restart.log", *kv)
@@ -381,6 +383,21 @@ def test_sigterm_is_bounded_and_leaves_nothing(scenario: dict[str, Any]) -> None
     for stop in (scenario["first_stop"], scenario["restart_stop"]):
         assert stop == {"rc": 0, "alive": []}
     assert scenario["region_after_stop"] == scenario["region_after_restart"] == []
+
+
+def test_kvcascade_lines_are_in_the_server_log_as_vllm_writes_its_own(
+    scenario: dict[str, Any],
+) -> None:
+    """The engine core's INFO line naming its tiers (docs/operators.md) is in the server's log,
+    with vLLM's process prefix and format: the ``kvcascade`` logger writes through the handler
+    vLLM configured for its own (it had none: only warnings reached stderr, bare)."""
+    ready = [line for line in scenario["first_log"].splitlines() if "tiers ready" in line]
+    assert ready, scenario["first_log"][-3000:]
+    assert re.fullmatch(
+        r"\(EngineCore pid=\d+\) INFO \d\d-\d\d \d\d:\d\d:\d\d \[_lifecycle.py:\d+\] kvcascade: "
+        r"tiers ready: cpu 24 blocks × 16,384 bytes = 393,216 bytes; fs \(FileSystemTier\): .*",
+        ready[0],
+    ), ready
 
 
 def test_a_request_answered_just_before_sigterm_is_on_disk(scenario: dict[str, Any]) -> None:
