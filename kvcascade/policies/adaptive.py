@@ -101,12 +101,11 @@ class _ShadowLRU:
             if key not in shadow:
                 break
             hits += 1
-        move = shadow.move_to_end
+        pop = shadow.pop
         total = self._tick_sum
         for key in reversed(keys):
-            total += tick - shadow.get(key, 0)
-            shadow[key] = tick
-            move(key)
+            total += tick - pop(key, 0)
+            shadow[key] = tick  # re-inserted: the most recent
         while len(shadow) > self.capacity:
             total -= shadow.popitem(last=False)[1]
         self._tick_sum = total
