@@ -108,8 +108,9 @@ class _ShadowLRU:
         for key in reversed(keys):
             total += tick - pop(key, 0)
             shadow[key] = tick  # re-inserted: the most recent
-        while len(shadow) > self.capacity:
-            total -= shadow.popitem(last=False)[1]
+        popitem = shadow.popitem
+        for _ in range(len(shadow) - self.capacity):
+            total -= popitem(last=False)[1]
         self._tick_sum = total
         return hits
 

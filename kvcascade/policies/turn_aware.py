@@ -562,7 +562,9 @@ class TurnAwareCachePolicy(CachePolicy):
 
     def mark_evictable(self, key: bytes) -> None:
         self._evictable += 1
-        self._offer(key, self._blocks[key])
+        entry = self._blocks[key]
+        if not entry.children:  # only leaves are candidates (_offer checks the rest)
+            self._offer(key, entry)
 
     def mark_non_evictable(self, key: bytes) -> None:
         self._evictable -= 1
