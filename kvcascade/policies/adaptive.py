@@ -50,10 +50,12 @@ Memory: the shadows' entries (``1 / k`` of the real ones) and one entry per prom
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from types import FunctionType
 
 from .._types import ReqContext
 from ..hints import may_continue
@@ -101,14 +103,14 @@ class _ShadowLRU:
             if key not in shadow:
                 break
             hits += 1
-        move = shadow.move_to_end
+        pop = shadow.pop
         total = self._tick_sum
         for key in reversed(keys):
-            total += tick - shadow.get(key, 0)
-            shadow[key] = tick
-            move(key)
-        while len(shadow) > self.capacity:
-            total -= shadow.popitem(last=False)[1]
+            total += tick - pop(key, 0)
+            shadow[key] = tick  # re-inserted: the most recent
+        popitem = shadow.popitem
+        for _ in range(len(shadow) - self.capacity):
+            total -= popitem(last=False)[1]
         self._tick_sum = total
         return hits
 
@@ -122,6 +124,26 @@ class _ShadowLRU:
         self._tick_sum = 0
 
 
+def _own_code(cls: type[TurnAwareCachePolicy]) -> type[TurnAwareCachePolicy]:
+    """Class decorator: give ``cls`` its own copies of the :class:`TurnAwareCachePolicy`
+    methods it inherits (same code, a new code object each).
+
+    CPython (3.11+) specializes an attribute access or method call in place, per code object,
+    for the one type it last saw; a method run alternately on the real policy and on its shadow
+    (two types) keeps missing and runs generic lookups, 2–3× slower (docs/policies.md,
+    ``adaptive``'s **Cost**). With copies each code object sees one type.
+    """
+    for name, value in vars(TurnAwareCachePolicy).items():
+        if isinstance(value, FunctionType) and name not in vars(cls):
+            code = value.__code__.replace()
+            copy = FunctionType(
+                code, value.__globals__, name, value.__defaults__, value.__closure__
+            )
+            setattr(cls, name, functools.update_wrapper(copy, value))
+    return cls
+
+
+@_own_code
 class _ShadowTurnAware(TurnAwareCachePolicy):
     """A turn-aware cache of ``capacity`` blocks over the sampled requests: residency, heaps
     and admission of its own; directory, class statistics, re-read shape and clock of

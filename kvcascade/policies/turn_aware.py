@@ -467,15 +467,19 @@ class TurnAwareCachePolicy(CachePolicy):
             self._offer(key, entry)
 
     def _forget(self, key: bytes) -> _Entry:
-        entry = self._blocks.pop(key)
+        blocks = self._blocks
+        entry = blocks.pop(key)
         self._tick_sum -= entry.tick
-        self._unpush(entry)
+        if entry.token >= 0:  # _unpush, inline: once per victim
+            self._classes[entry.cls].live -= 1
+            entry.token = -1
         if entry.block.ref_cnt == 0:
             self._evictable -= 1
-        p, up_key = entry.up, entry.parent
-        if p is not None and up_key is not None and self._blocks.get(up_key) is p:
+        p = entry.up  # set with entry.parent
+        if p is not None and blocks.get(entry.parent) is p:  # type: ignore[arg-type]
             p.children -= 1
-            self._offer(up_key, p)
+            if not p.children:
+                self._offer(entry.parent, p)  # type: ignore[arg-type]
         return entry
 
     def remove(self, key: bytes) -> None:
@@ -504,17 +508,22 @@ class TurnAwareCachePolicy(CachePolicy):
         cls = request.cls
         deadline = request.deadline
         moved = 0
+        classes = self._classes
+        offer = self._offer
         for depth, key in enumerate(keys[start:] if start else keys, start):
             entry = blocks.get(key)
             if entry is None:
                 continue
-            self._unpush(entry)
+            if entry.token >= 0:  # _unpush, inline: this loop runs for every key read
+                classes[entry.cls].live -= 1
+                entry.token = -1
             entry.cls = cls
             moved += tick - entry.tick
             entry.tick = tick
             entry.depth = depth
             entry.deadline = deadline
-            self._offer(key, entry)
+            if not entry.children:  # only leaves are candidates (_offer checks the rest)
+                offer(key, entry)
         self._tick_sum += moved
 
     def admits(self, ctx: ReqContext | None, n: int = 1) -> bool:
@@ -553,7 +562,9 @@ class TurnAwareCachePolicy(CachePolicy):
 
     def mark_evictable(self, key: bytes) -> None:
         self._evictable += 1
-        self._offer(key, self._blocks[key])
+        entry = self._blocks[key]
+        if not entry.children:  # only leaves are candidates (_offer checks the rest)
+            self._offer(key, entry)
 
     def mark_non_evictable(self, key: bytes) -> None:
         self._evictable -= 1
@@ -581,6 +592,7 @@ class TurnAwareCachePolicy(CachePolicy):
         heads = self._heads(value_of)
         heapq.heapify(heads)
         top = heappop(heads) if heads else None
+        entry: _Entry | None = None  # the valid head of ``top``'s class, when known
         out: list[tuple[bytes, BlockStatus]] = []
         passed: list[tuple[int, tuple[int, int, int, bytes]]] = []  # protected heads
         while len(out) < n:
@@ -594,15 +606,17 @@ class TurnAwareCachePolicy(CachePolicy):
                 continue
             value, _, _, idx = top
             stats = classes[idx]
-            entry = head(stats)
-            if entry is None:
+            if entry is None and (entry := head(stats)) is None:
                 top = heappop(heads) if heads else None
                 continue
             heap = stats.heap
             item = heap[0]
             # A lone class needs no values: its head goes first whatever it is worth.
             if heads and (current := value_of(entry)) > value and current > heads[0][0]:
-                top = heappushpop(heads, (current, item[0], item[1], idx))  # stale: re-rank
+                pushed = (current, item[0], item[1], idx)  # stale: re-rank
+                top = heappushpop(heads, pushed)
+                if top is not pushed:
+                    entry = None
                 continue
             heappop(heap)  # ``item``: evicted (stale from now on) or passed over
             key = item[3]
@@ -622,7 +636,10 @@ class TurnAwareCachePolicy(CachePolicy):
             if (entry := head(stats)) is not None:
                 nxt = heap[0]
                 if heads:
-                    top = heappushpop(heads, (value_of(entry), nxt[0], nxt[1], idx))
+                    pushed = (value_of(entry), nxt[0], nxt[1], idx)
+                    top = heappushpop(heads, pushed)
+                    if top is not pushed:
+                        entry = None
                 else:
                     top = (value, nxt[0], nxt[1], idx)  # a lone class: its value is not read
             else:
