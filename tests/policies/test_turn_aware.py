@@ -130,6 +130,12 @@ class TurnAwareMachine(RuleBasedStateMachine):
         for key, entry in policy._blocks.items():
             if entry.token >= 0:
                 assert entry.children == 0 and entry.block.ref_cnt == 0, key
+        # reused entries: a spare is neither resident nor the counted parent of a resident block
+        spare = {id(entry) for entry in policy._spare}
+        assert len(spare) == len(policy._spare)
+        for key, entry in policy._blocks.items():
+            assert id(entry) not in spare, key
+            assert entry.up is None or id(entry.up) not in spare, key
 
 
 class AdaptiveMachine(TurnAwareMachine):
@@ -197,6 +203,29 @@ def test_a_child_removed_after_its_parent_was_re_inserted_leaves_the_parent_a_le
     assert mgr.num_evictable == 1
     out = mgr.prepare_store([b"c0/%d" % i for i in range(CAPACITY)], ReqContext("r4"))
     assert out is not None and list(out.evicted_keys) == [parent]
+
+
+def test_an_entry_is_reused_only_once_no_resident_block_counts_it() -> None:
+    """Entries are made once per slot and reused (``_Entry``): a removed parent whose child is
+    still resident stays that child's ``up`` and must not come back as another block's entry,
+    or the child's removal would uncount a stranger."""
+    mgr = CPUOffloadingManager(CAPACITY, "turn_aware")
+    policy = mgr.policy
+    assert isinstance(policy, TurnAwareCachePolicy)
+    assert len(policy._spare) == CAPACITY  # one per slot, made when the policy is built
+    parent, child = b"r/0", b"r/1"
+    _store(mgr, [parent, child])
+    counted = policy._blocks[parent]
+    assert policy._blocks[child].up is counted and counted.children == 1
+    assert mgr.remove([parent]) == ([parent], [])  # the child stays resident
+    assert all(entry is not counted for entry in policy._spare)
+    _store(mgr, [b"other/0"])
+    assert policy._blocks[b"other/0"] is not counted
+    mgr.remove([child])  # must not touch the removed parent's entry (or anyone's)
+    assert counted.children == 1
+    freed = policy._blocks[b"other/0"]
+    mgr.remove([b"other/0"])
+    assert policy._spare[-1] is freed and freed.up is None
 
 
 def test_registered_and_constructible() -> None:
