@@ -44,7 +44,9 @@ nothing distinguishes yet (cold start) tie, and ties go oldest first: an untrain
 Cost: ``touch`` O(k log n) for k keys (heap pushes); ``evict(n)`` and :meth:`admits` O(K + n
 log n) with K the number of non-empty classes (at most ``3 × 7 × max_turn × 9``, a constant);
 the pooled shape is recomputed (O(64)) at most once per such call after it learned something.
-Memory per resident block one entry (≈ 200 B) and per directory key one entry (≈ 150 B).
+Memory: one entry per slot, made when the policy is built and reused (≈ 100 B; none is
+allocated per insert, so the garbage collector has nothing new to scan), per resident block a
+dict item and its heap item, per directory key a tuple (≈ 70 B) and its ordered-dict item.
 """
 
 from __future__ import annotations
@@ -223,6 +225,9 @@ class TurnAwareCachePolicy(CachePolicy):
         self._shape = [0.0] * (_BUCKETS + 1)  # pooled P(re-read before bucket b | re-read)
         self._shape_dirty = True
         self._tick = 0  # blocks read so far
+        # (class, tick) -> value, valid at (tick, horizon) ``_values_at`` (_valuer)
+        self._values: dict[tuple[int, int], float] = {}
+        self._values_at: tuple[int, float] | None = None
         self._token = 0
         self._evictable = 0  # resident blocks with ref_cnt == 0
         self._tick_sum = 0  # sum of the resident blocks' last-read ticks
@@ -422,9 +427,16 @@ class TurnAwareCachePolicy(CachePolicy):
         return None
 
     def _valuer(self, now_s: float | None, horizon: float) -> Callable[[_Entry], float]:
-        """``entry -> value`` for one ``evict`` / ``admits`` call: blocks of one class read at
-        one tick (a request's blocks) share a value, so it is computed once per pair."""
-        memo: dict[tuple[int, int], float] = {}
+        """``entry -> value`` for an ``evict`` / ``admits`` call: blocks of one class read at
+        one tick (a request's blocks) share a value, so it is computed once per pair — and
+        kept for the next call while the clock and ``horizon`` are the same (the statistics
+        change only with the clock, in ``_classify``, or in :meth:`set_state`, which drops
+        them): a request's admission check and its eviction value the same class heads."""
+        at = (self._tick, horizon)
+        if at != self._values_at:
+            self._values_at = at
+            self._values = {}
+        memo = self._values
         compute = self._value
 
         def value(entry: _Entry) -> float:
@@ -681,6 +693,7 @@ class TurnAwareCachePolicy(CachePolicy):
         self._tick = 0
         self._tick_sum = 0
         self._evictable = 0
+        self._values_at = None
 
     def keys(self) -> Iterable[bytes]:
         return self._blocks.keys()
@@ -773,6 +786,7 @@ class TurnAwareCachePolicy(CachePolicy):
         self._pooled.reads = pooled_total
         self._pooled_reads = histogram
         self._shape_dirty = True
+        self._values_at = None
 
     def save_state(self, path: str | os.PathLike[str]) -> None:
         """Write :meth:`state` as JSON to ``path``, atomically (a temp file beside it, fsync,
