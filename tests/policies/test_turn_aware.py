@@ -377,6 +377,49 @@ def test_save_and_load_state(tmp_path: Path) -> None:
         fresh.load_state(path)
 
 
+def _state(reads_continuing: float, reads_ending: float) -> dict:
+    """Saved statistics for the classes of two-block first turns hinted to continue (1) and
+    to end (2): 100 blocks filed each, the given re-reads; re-reads come within ~30 ticks."""
+    histogram = [10.0 if b < 10 else 0.0 for b in range(64)]
+    return {
+        "version": 2,
+        "max_turn": 5,
+        "classes": [[1, 0, 1, 2, 100.0, reads_continuing], [2, 0, 1, 2, 100.0, reads_ending]],
+        "groups": [[1, 0, 1, 100.0, reads_continuing], [2, 0, 1, 100.0, reads_ending]],
+        "pooled": {
+            "labels": 200.0,
+            "reads": reads_continuing + reads_ending,
+            "histogram": histogram,
+        },
+    }
+
+
+def test_new_statistics_take_effect_at_once() -> None:
+    """Values are kept between calls at one tick (``_valuer``); ``set_state`` must drop them:
+    an admission check values the heads, new statistics arrive, and the eviction that follows
+    at the same tick must rank by the new ones."""
+    mgr = CPUOffloadingManager(CAPACITY, "turn_aware")
+    policy = mgr.policy
+    assert isinstance(policy, TurnAwareCachePolicy)
+    policy.clock = lambda: 0.0
+
+    def hinted(name: str, continues: bool) -> ReqContext:
+        ctx = ReqContext(name)
+        ctx.set_state(SessionHint(continues=continues))
+        return ctx
+
+    _store(mgr, [b"a/0", b"a/1"], hinted("a", True))
+    _store(mgr, [b"b/0", b"b/1"], hinted("b", False))
+    ctx = ReqContext("c")
+    mgr.touch([b"c/0"], ctx)
+    policy.set_state(_state(100.0, 0.0))  # continuing sessions come back, ending ones do not
+    # values the heads a/1 and b/1 at this tick; b/1 (worth nothing) is the cheapest
+    assert policy.admits(ctx, 1) is True
+    policy.set_state(_state(0.0, 100.0))  # the reverse
+    out = mgr.prepare_store([b"c/0"], ctx)
+    assert out is not None and list(out.evicted_keys) == [b"a/1"]
+
+
 def test_insert_of_a_ready_block_is_evictable() -> None:
     policy = TurnAwareCachePolicy(4)
     policy.insert(b"k", BlockStatus(0, ref_cnt=0))
