@@ -44,7 +44,9 @@ nothing distinguishes yet (cold start) tie, and ties go oldest first: an untrain
 Cost: ``touch`` O(k log n) for k keys (heap pushes); ``evict(n)`` and :meth:`admits` O(K + n
 log n) with K the number of non-empty classes (at most ``3 × 7 × max_turn × 9``, a constant);
 the pooled shape is recomputed (O(64)) at most once per such call after it learned something.
-Memory per resident block one entry (≈ 200 B) and per directory key one entry (≈ 150 B).
+Memory: one entry per slot, made when the policy is built and reused (≈ 100 B; none is
+allocated per insert, so the garbage collector has nothing new to scan), per resident block a
+dict item and its heap item, per directory key a tuple (≈ 70 B) and its ordered-dict item.
 """
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ _EXPIRED = -1.0 - 2 * MAX_PRIORITY
 #: Format version of :meth:`TurnAwareCachePolicy.save_state` files.
 _STATE_VERSION = 2
 
+#: A heap item's order is ``tick << _ORDER_SHIFT`` minus the depth: (tick, -depth) in one int, for
+#: depths below 2**32.
+_ORDER_SHIFT = 32
+
 ClassKey = tuple[int, int, int, int]
 
 
@@ -98,24 +104,18 @@ def _prompt_ends(keys: Sequence[bytes]) -> Sequence[bytes]:
 
 
 class _Entry:
-    """A resident block: its status, class, last-read tick, depth and heap bookkeeping."""
+    """A resident block: ``block`` (its status), ``cls``, ``tick`` (of its last read),
+    ``depth``, ``deadline`` (hint TTL, wall seconds, or None), ``parent`` (the parent's key
+    when it was resident at the insert), ``up`` (the parent's entry that counted this block
+    among its ``children``: a parent removed and stored again is another entry, which never
+    counted it) and ``token`` (heap token; -1: in no heap — pinned or not ready).
+
+    Entries are made once, when the policy is built (one per slot, fields unset until
+    :meth:`TurnAwareCachePolicy.insert`), and reused: a policy that allocated one per insert
+    kept the garbage collector's full collections busy scanning them (docs/policies.md,
+    ``turn_aware``'s **Cost**)."""
 
     __slots__ = ("block", "children", "cls", "deadline", "depth", "parent", "tick", "token", "up")
-
-    def __init__(
-        self, block: BlockStatus, cls: int, tick: int, parent: bytes | None, up: _Entry | None
-    ) -> None:
-        self.block = block
-        self.cls = cls
-        self.tick = tick
-        self.depth = 0
-        self.deadline: float | None = None
-        self.parent = parent  # the parent's key when it was resident at the insert
-        # The parent's entry that counted this block among its children: a parent removed and
-        # stored again is a new entry that never counted it.
-        self.up = up
-        self.children = 0
-        self.token = -1  # heap token; -1: not in any heap (pinned / not ready)
 
 
 class _Request:
@@ -149,7 +149,9 @@ class _ClassStats(_Counts):
         super().__init__()
         self.key = key
         self.group = group
-        self.heap: list[tuple[int, int, int, bytes]] = []  # (tick, -depth, token, key)
+        # (tick << 32 - depth, token, key): oldest first, then deepest first, in one int (a
+        # tuple compare then stops at the first item: _ORDER_SHIFT)
+        self.heap: list[tuple[int, int, bytes]] = []
         self.live = 0  # valid heap items
 
 
@@ -211,8 +213,10 @@ class TurnAwareCachePolicy(CachePolicy):
         self.admission_margin = admission_margin
         self.clock = clock
         self._blocks: dict[bytes, _Entry] = {}
-        # key -> [class, tick of last read, prompt-end turn (0: none), parent key]
-        self._directory: OrderedDict[bytes, list[Any]] = OrderedDict()
+        # Entries not in use (_Entry): one per slot, so that inserts allocate nothing.
+        self._spare = [_Entry() for _ in range(cache_capacity)]
+        # key -> (class, tick of last read, prompt-end turn (0: none), parent key)
+        self._directory: OrderedDict[bytes, tuple[int, int, int, bytes | None]] = OrderedDict()
         self._classes: list[_ClassStats] = []
         self._class_index: dict[ClassKey, int] = {}
         self._groups: dict[tuple[int, int, int], _Counts] = {}
@@ -221,6 +225,9 @@ class TurnAwareCachePolicy(CachePolicy):
         self._shape = [0.0] * (_BUCKETS + 1)  # pooled P(re-read before bucket b | re-read)
         self._shape_dirty = True
         self._tick = 0  # blocks read so far
+        # (class, tick) -> value, valid at (tick, horizon) ``_values_at`` (_valuer)
+        self._values: dict[tuple[int, int], float] = {}
+        self._values_at: tuple[int, float] | None = None
         self._token = 0
         self._evictable = 0  # resident blocks with ref_cnt == 0
         self._tick_sum = 0  # sum of the resident blocks' last-read ticks
@@ -319,7 +326,10 @@ class TurnAwareCachePolicy(CachePolicy):
         turn = 1
         known = 0
         matched = -1
-        for i in range(len(keys) - 1, 0, -1):
+        # The deepest earlier prompt end (never the root); a C-level check first, since most
+        # keys of a request are new.
+        search = len(keys) - 1 if not directory.keys().isdisjoint(keys[1:]) else 0
+        for i in range(search, 0, -1):
             info = directory.get(keys[i])
             if info is not None and info[2]:
                 turn = info[2] + 1
@@ -342,14 +352,18 @@ class TurnAwareCachePolicy(CachePolicy):
             deadline = self.clock() + hint.ttl_s
         # Learn: each key still in the directory was read again after (now - last tick). The
         # root (shared by every conversation) is neither a sample nor a label.
+        # Directory entries are tuples of ints and bytes, which the garbage collector stops
+        # tracking (a list per key made its full collections scan every entry: ~30 % of this
+        # policy's time per key, docs/policies.md).
         classes = self._classes
         pooled_reads = self._pooled_reads
         reads = 0
         parent: bytes | None = None
+        ends = len(keys) - 2 if len(keys) > 2 else 1  # _prompt_ends: keys[ends:]
         for depth, key in enumerate(keys):
             info = directory.get(key)
             if info is None:
-                directory[key] = [cls, now, 0, parent]
+                directory[key] = (cls, now, turn if depth >= ends else 0, parent)
             else:
                 if depth or len(keys) == 1:
                     old = classes[info[0]]
@@ -357,9 +371,7 @@ class TurnAwareCachePolicy(CachePolicy):
                     old.group.reads += 1.0
                     pooled_reads[_bucket(now - info[1])] += 1.0
                     reads += 1
-                info[0] = cls
-                info[1] = now
-                info[3] = parent
+                directory[key] = (cls, now, turn if depth >= ends else info[2], parent)
                 directory.move_to_end(key)
             parent = key
         labels = float(len(keys) - 1 if len(keys) > 1 else 1)
@@ -370,8 +382,6 @@ class TurnAwareCachePolicy(CachePolicy):
         self._pooled.reads += reads
         if reads:
             self._shape_dirty = True
-        for key in _prompt_ends(keys):
-            directory[key][2] = turn
         while len(directory) > self.directory_size:
             directory.popitem(last=False)
         self._tick = now + len(keys)
@@ -387,14 +397,14 @@ class TurnAwareCachePolicy(CachePolicy):
         self._token = token = self._token + 1
         entry.token = token
         heap = stats.heap
-        heapq.heappush(heap, (entry.tick, -entry.depth, token, key))
+        heapq.heappush(heap, ((entry.tick << _ORDER_SHIFT) - entry.depth, token, key))
         stats.live += 1
         if len(heap) > 2 * stats.live + 64:
             blocks = self._blocks
             heap[:] = [  # in place: ``evict`` holds the list
                 item
                 for item in heap
-                if (e := blocks.get(item[3])) is not None and e.token == item[2]
+                if (e := blocks.get(item[2])) is not None and e.token == item[1]
             ]
             heapq.heapify(heap)
 
@@ -410,16 +420,23 @@ class TurnAwareCachePolicy(CachePolicy):
         blocks = self._blocks
         while heap:
             item = heap[0]
-            entry = blocks.get(item[3])
-            if entry is not None and entry.token == item[2]:
+            entry = blocks.get(item[2])
+            if entry is not None and entry.token == item[1]:
                 return entry
             heapq.heappop(heap)
         return None
 
     def _valuer(self, now_s: float | None, horizon: float) -> Callable[[_Entry], float]:
-        """``entry -> value`` for one ``evict`` / ``admits`` call: blocks of one class read at
-        one tick (a request's blocks) share a value, so it is computed once per pair."""
-        memo: dict[tuple[int, int], float] = {}
+        """``entry -> value`` for an ``evict`` / ``admits`` call: blocks of one class read at
+        one tick (a request's blocks) share a value, so it is computed once per pair — and
+        kept for the next call while the clock and ``horizon`` are the same (the statistics
+        change only with the clock, in ``_classify``, or in :meth:`set_state`, which drops
+        them): a request's admission check and its eviction value the same class heads."""
+        at = (self._tick, horizon)
+        if at != self._values_at:
+            self._values_at = at
+            self._values = {}
+        memo = self._values
         compute = self._value
 
         def value(entry: _Entry) -> float:
@@ -433,13 +450,13 @@ class TurnAwareCachePolicy(CachePolicy):
 
         return value
 
-    def _heads(self, value: Callable[[_Entry], float]) -> list[tuple[float, int, int, int]]:
-        """Per non-empty class: (value of its head, head tick, -depth, class index)."""
+    def _heads(self, value: Callable[[_Entry], float]) -> list[tuple[float, int, int]]:
+        """Per non-empty class: (value of its head, its heap order, class index)."""
         heads = []
         for idx, stats in enumerate(self._classes):
             if stats.live and (entry := self._head(stats)) is not None:
                 item = stats.heap[0]
-                heads.append((value(entry), item[0], item[1], idx))
+                heads.append((value(entry), item[0], idx))
         return heads
 
     # -- CachePolicy ---------------------------------------------------------------------------
@@ -452,15 +469,27 @@ class TurnAwareCachePolicy(CachePolicy):
         tick = self._tick
         self._tick_sum += tick
         blocks = self._blocks
+        spare = self._spare
+        entry = spare.pop() if spare else _Entry()
+        entry.block = block
+        entry.tick = tick
+        entry.depth = 0
+        entry.deadline = None
+        entry.children = 0
+        entry.token = -1
         if info is None:
-            entry = _Entry(block, self._class((0, 0, 1, 0)), tick, None, None)
+            entry.cls = self._class((0, 0, 1, 0))
+            entry.parent = entry.up = None
         elif (parent := info[3]) is not None and (p := blocks.get(parent)) is not None:
-            entry = _Entry(block, info[0], tick, parent, p)
+            entry.cls = info[0]
+            entry.parent = parent
+            entry.up = p
             p.children += 1
             if p.token >= 0:
                 self._unpush(p)
         else:
-            entry = _Entry(block, info[0], tick, None, None)
+            entry.cls = info[0]
+            entry.parent = entry.up = None
         blocks[key] = entry
         if block.ref_cnt == 0:
             self._evictable += 1
@@ -480,6 +509,9 @@ class TurnAwareCachePolicy(CachePolicy):
             p.children -= 1
             if not p.children:
                 self._offer(entry.parent, p)  # type: ignore[arg-type]
+        if not entry.children:  # no resident block names it as ``up``: reusable
+            entry.up = None
+            self._spare.append(entry)
         return entry
 
     def remove(self, key: bytes) -> None:
@@ -550,7 +582,7 @@ class TurnAwareCachePolicy(CachePolicy):
         heads = self._heads(self._valuer(self.clock(), horizon))
         if not heads:
             return True
-        low, _, _, idx = min(heads)
+        low, _, idx = min(heads)
         if low == _EXPIRED:
             return True
         prio = self._classes[request.cls].key[1]
@@ -585,7 +617,7 @@ class TurnAwareCachePolicy(CachePolicy):
         classes = self._classes
         heappop, heappush, heappushpop = heapq.heappop, heapq.heappush, heapq.heappushpop
         head = self._head
-        # (value, tick, -depth, class) of every non-empty class's head, cheapest first; equal
+        # (value, heap order, class) of every non-empty class's head, cheapest first; equal
         # values (an untrained policy) go oldest first, i.e. LRU. ``top`` is the cheapest,
         # popped; a class whose head changed is pushed back with heappushpop (one sift instead
         # of a push and a pop per victim).
@@ -594,7 +626,7 @@ class TurnAwareCachePolicy(CachePolicy):
         top = heappop(heads) if heads else None
         entry: _Entry | None = None  # the valid head of ``top``'s class, when known
         out: list[tuple[bytes, BlockStatus]] = []
-        passed: list[tuple[int, tuple[int, int, int, bytes]]] = []  # protected heads
+        passed: list[tuple[int, tuple[int, int, bytes]]] = []  # protected heads
         while len(out) < n:
             if top is None:
                 # Only blocks with a resident (pinned or protected) child are left.
@@ -604,7 +636,7 @@ class TurnAwareCachePolicy(CachePolicy):
                 )
                 out.append((key, self._forget(key).block))
                 continue
-            value, _, _, idx = top
+            value, _, idx = top
             stats = classes[idx]
             if entry is None and (entry := head(stats)) is None:
                 top = heappop(heads) if heads else None
@@ -613,13 +645,13 @@ class TurnAwareCachePolicy(CachePolicy):
             item = heap[0]
             # A lone class needs no values: its head goes first whatever it is worth.
             if heads and (current := value_of(entry)) > value and current > heads[0][0]:
-                pushed = (current, item[0], item[1], idx)  # stale: re-rank
+                pushed = (current, item[0], idx)  # stale: re-rank
                 top = heappushpop(heads, pushed)
                 if top is not pushed:
                     entry = None
                 continue
             heappop(heap)  # ``item``: evicted (stale from now on) or passed over
-            key = item[3]
+            key = item[2]
             offered = None
             if key in protected:
                 passed.append((idx, item))
@@ -632,16 +664,17 @@ class TurnAwareCachePolicy(CachePolicy):
                 if parent is not None and parent.token >= 0 and parent.cls != idx:
                     offered = parent  # a parent of this class is among its heads below
             if offered is not None:
-                heappush(heads, (value_of(offered), offered.tick, -offered.depth, offered.cls))
+                order = (offered.tick << _ORDER_SHIFT) - offered.depth
+                heappush(heads, (value_of(offered), order, offered.cls))
             if (entry := head(stats)) is not None:
                 nxt = heap[0]
                 if heads:
-                    pushed = (value_of(entry), nxt[0], nxt[1], idx)
+                    pushed = (value_of(entry), nxt[0], idx)
                     top = heappushpop(heads, pushed)
                     if top is not pushed:
                         entry = None
                 else:
-                    top = (value, nxt[0], nxt[1], idx)  # a lone class: its value is not read
+                    top = (value, nxt[0], idx)  # a lone class: its value is not read
             else:
                 top = heappop(heads) if heads else None
         for idx, item in passed:
@@ -649,6 +682,9 @@ class TurnAwareCachePolicy(CachePolicy):
         return out
 
     def clear(self) -> None:
+        for entry in self._blocks.values():
+            entry.up = None
+        self._spare.extend(self._blocks.values())
         self._blocks.clear()
         self._directory.clear()
         for stats in self._classes:
@@ -657,6 +693,7 @@ class TurnAwareCachePolicy(CachePolicy):
         self._tick = 0
         self._tick_sum = 0
         self._evictable = 0
+        self._values_at = None
 
     def keys(self) -> Iterable[bytes]:
         return self._blocks.keys()
@@ -749,6 +786,7 @@ class TurnAwareCachePolicy(CachePolicy):
         self._pooled.reads = pooled_total
         self._pooled_reads = histogram
         self._shape_dirty = True
+        self._values_at = None
 
     def save_state(self, path: str | os.PathLike[str]) -> None:
         """Write :meth:`state` as JSON to ``path``, atomically (a temp file beside it, fsync,

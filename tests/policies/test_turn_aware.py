@@ -130,6 +130,12 @@ class TurnAwareMachine(RuleBasedStateMachine):
         for key, entry in policy._blocks.items():
             if entry.token >= 0:
                 assert entry.children == 0 and entry.block.ref_cnt == 0, key
+        # reused entries: a spare is neither resident nor the counted parent of a resident block
+        spare = {id(entry) for entry in policy._spare}
+        assert len(spare) == len(policy._spare)
+        for key, entry in policy._blocks.items():
+            assert id(entry) not in spare, key
+            assert entry.up is None or id(entry.up) not in spare, key
 
 
 class AdaptiveMachine(TurnAwareMachine):
@@ -197,6 +203,29 @@ def test_a_child_removed_after_its_parent_was_re_inserted_leaves_the_parent_a_le
     assert mgr.num_evictable == 1
     out = mgr.prepare_store([b"c0/%d" % i for i in range(CAPACITY)], ReqContext("r4"))
     assert out is not None and list(out.evicted_keys) == [parent]
+
+
+def test_an_entry_is_reused_only_once_no_resident_block_counts_it() -> None:
+    """Entries are made once per slot and reused (``_Entry``): a removed parent whose child is
+    still resident stays that child's ``up`` and must not come back as another block's entry,
+    or the child's removal would uncount a stranger."""
+    mgr = CPUOffloadingManager(CAPACITY, "turn_aware")
+    policy = mgr.policy
+    assert isinstance(policy, TurnAwareCachePolicy)
+    assert len(policy._spare) == CAPACITY  # one per slot, made when the policy is built
+    parent, child = b"r/0", b"r/1"
+    _store(mgr, [parent, child])
+    counted = policy._blocks[parent]
+    assert policy._blocks[child].up is counted and counted.children == 1
+    assert mgr.remove([parent]) == ([parent], [])  # the child stays resident
+    assert all(entry is not counted for entry in policy._spare)
+    _store(mgr, [b"other/0"])
+    assert policy._blocks[b"other/0"] is not counted
+    mgr.remove([child])  # must not touch the removed parent's entry (or anyone's)
+    assert counted.children == 1
+    freed = policy._blocks[b"other/0"]
+    mgr.remove([b"other/0"])
+    assert policy._spare[-1] is freed and freed.up is None
 
 
 def test_registered_and_constructible() -> None:
@@ -346,6 +375,49 @@ def test_save_and_load_state(tmp_path: Path) -> None:
     path.write_text("not json")
     with pytest.raises(ValueError):
         fresh.load_state(path)
+
+
+def _state(reads_continuing: float, reads_ending: float) -> dict:
+    """Saved statistics for the classes of two-block first turns hinted to continue (1) and
+    to end (2): 100 blocks filed each, the given re-reads; re-reads come within ~30 ticks."""
+    histogram = [10.0 if b < 10 else 0.0 for b in range(64)]
+    return {
+        "version": 2,
+        "max_turn": 5,
+        "classes": [[1, 0, 1, 2, 100.0, reads_continuing], [2, 0, 1, 2, 100.0, reads_ending]],
+        "groups": [[1, 0, 1, 100.0, reads_continuing], [2, 0, 1, 100.0, reads_ending]],
+        "pooled": {
+            "labels": 200.0,
+            "reads": reads_continuing + reads_ending,
+            "histogram": histogram,
+        },
+    }
+
+
+def test_new_statistics_take_effect_at_once() -> None:
+    """Values are kept between calls at one tick (``_valuer``); ``set_state`` must drop them:
+    an admission check values the heads, new statistics arrive, and the eviction that follows
+    at the same tick must rank by the new ones."""
+    mgr = CPUOffloadingManager(CAPACITY, "turn_aware")
+    policy = mgr.policy
+    assert isinstance(policy, TurnAwareCachePolicy)
+    policy.clock = lambda: 0.0
+
+    def hinted(name: str, continues: bool) -> ReqContext:
+        ctx = ReqContext(name)
+        ctx.set_state(SessionHint(continues=continues))
+        return ctx
+
+    _store(mgr, [b"a/0", b"a/1"], hinted("a", True))
+    _store(mgr, [b"b/0", b"b/1"], hinted("b", False))
+    ctx = ReqContext("c")
+    mgr.touch([b"c/0"], ctx)
+    policy.set_state(_state(100.0, 0.0))  # continuing sessions come back, ending ones do not
+    # values the heads a/1 and b/1 at this tick; b/1 (worth nothing) is the cheapest
+    assert policy.admits(ctx, 1) is True
+    policy.set_state(_state(0.0, 100.0))  # the reverse
+    out = mgr.prepare_store([b"c/0"], ctx)
+    assert out is not None and list(out.evicted_keys) == [b"a/1"]
 
 
 def test_insert_of_a_ready_block_is_evictable() -> None:
