@@ -96,11 +96,16 @@ def _cdf(cum: list[float], t: float) -> float:
     return cum[b] + (x - b) * (cum[b + 1] - cum[b])
 
 
+def _first_prompt_end(n: int) -> int:
+    """Index of the first of the keys a next turn of an ``n``-key prompt is recognised by: the
+    last two (the last block of a prompt may be partial and so absent from the next turn);
+    never the root (it may be a shared system prompt)."""
+    return n - 2 if n > 2 else 1
+
+
 def _prompt_ends(keys: Sequence[bytes]) -> Sequence[bytes]:
-    """The keys a next turn of the prompt ``keys`` is recognised by: the last two (the last
-    block of a prompt may be partial and so absent from the next turn); never the root (it may
-    be a shared system prompt)."""
-    return keys[-2:] if len(keys) > 2 else keys[1:]
+    """The keys a next turn of the prompt ``keys`` is recognised by (:func:`_first_prompt_end`)."""
+    return keys[_first_prompt_end(len(keys)) :]
 
 
 class _Entry:
@@ -353,13 +358,13 @@ class TurnAwareCachePolicy(CachePolicy):
         # Learn: each key still in the directory was read again after (now - last tick). The
         # root (shared by every conversation) is neither a sample nor a label.
         # Directory entries are tuples of ints and bytes, which the garbage collector stops
-        # tracking (a list per key made its full collections scan every entry: ~30 % of this
-        # policy's time per key, docs/policies.md).
+        # tracking (a list per key was one more object for each full collection to scan:
+        # docs/policies.md, turn_aware's **Cost**).
         classes = self._classes
         pooled_reads = self._pooled_reads
         reads = 0
         parent: bytes | None = None
-        ends = len(keys) - 2 if len(keys) > 2 else 1  # _prompt_ends: keys[ends:]
+        ends = _first_prompt_end(len(keys))  # keys[ends:] are the prompt ends
         for depth, key in enumerate(keys):
             info = directory.get(key)
             if info is None:
@@ -496,6 +501,8 @@ class TurnAwareCachePolicy(CachePolicy):
             self._offer(key, entry)
 
     def _forget(self, key: bytes) -> _Entry:
+        """Drop ``key``'s entry and return it; it goes back to the spares unless a resident
+        block counts it as its parent, so read it before the next :meth:`insert`."""
         blocks = self._blocks
         entry = blocks.pop(key)
         self._tick_sum -= entry.tick
