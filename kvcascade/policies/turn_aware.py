@@ -764,6 +764,8 @@ class TurnAwareCachePolicy(CachePolicy):
             histogram = [counts(r) for r in pooled["histogram"]]
             if len(histogram) != _BUCKETS:
                 raise ValueError(f"histogram of {len(histogram)} buckets, expected {_BUCKETS}")
+            if not math.isfinite(sum(histogram)):  # each finite, their total not: NaN shapes
+                raise ValueError("histogram total overflows")
             for key, _, _ in classes:
                 hint, prio, turn, nb = key
                 if not (

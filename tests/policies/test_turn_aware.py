@@ -4,6 +4,7 @@ rules, session hints, and saved state."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -615,3 +616,18 @@ def test_adaptive_parameters_are_checked() -> None:
             AdaptiveCachePolicy(4, **bad)
     with pytest.raises(ValueError, match="max_turn"):
         AdaptiveCachePolicy(4, max_turn=0)
+
+
+def test_a_histogram_whose_total_overflows_is_refused() -> None:
+    """Every count finite, their sum not: the pooled shape would be NaN (inf / inf), every
+    value NaN, and a full cache would refuse every new request (NaN >= x is False) — and save
+    the same state again at shutdown. Such a state is malformed: nothing changes."""
+    policy = TurnAwareCachePolicy(4)
+    state = _state(100.0, 0.0)
+    policy.set_state(state)
+    before = policy.class_table()
+    state["pooled"]["histogram"] = [1e308] * 64
+    with pytest.raises(ValueError, match="overflows"):
+        policy.set_state(state)
+    assert policy.class_table() == before
+    assert all(math.isfinite(row["p_reread_within_h"]) for row in policy.class_table())
