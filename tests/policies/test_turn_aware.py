@@ -631,3 +631,21 @@ def test_a_histogram_whose_total_overflows_is_refused() -> None:
         policy.set_state(state)
     assert policy.class_table() == before
     assert all(math.isfinite(row["p_reread_within_h"]) for row in policy.class_table())
+
+
+def test_adaptive_shadow_inserts_a_repeated_key_once() -> None:
+    """A request that names a key twice: the manager stores it once, and so must the shadow
+    turn-aware cache (``insert`` only of absent keys), or its evictable count and tick sum
+    grow by one such key per request while it holds the same blocks."""
+    mgr = CPUOffloadingManager(4, "adaptive")
+    policy = mgr.policy
+    assert isinstance(policy, AdaptiveCachePolicy) and policy.sampling == 1
+    shadow = policy._shadow_turn_aware
+    for i in range(6):
+        keys = [b"root", b"d%d" % i, b"d%d" % i, b"e%d" % i]
+        mgr.touch(keys, ReqContext(f"r{i}"))
+        assert len(shadow._blocks) <= shadow.cache_capacity
+        assert shadow._evictable == len(shadow._blocks)  # shadow blocks are all idle
+        assert shadow._tick_sum == sum(entry.tick for entry in shadow._blocks.values())
+    # full: no extra eviction for the repeated key (there was one per request)
+    assert len(shadow._blocks) == 4 and {b"root", b"d5", b"e5"} <= shadow._blocks.keys()
