@@ -649,3 +649,27 @@ def test_adaptive_shadow_inserts_a_repeated_key_once() -> None:
         assert shadow._tick_sum == sum(entry.tick for entry in shadow._blocks.values())
     # full: no extra eviction for the repeated key (there was one per request)
     assert len(shadow._blocks) == 4 and {b"root", b"d5", b"e5"} <= shadow._blocks.keys()
+
+
+def test_a_context_shared_by_two_managers_is_classified_by_each() -> None:
+    """One ReqContext presented to two managers (the manager keeps one access record per
+    manager): the turn-aware scratch on it names a class of the first policy, an index past the
+    end of the second's classes (IndexError) or another class there. Each policy classifies the
+    request itself."""
+    first = CPUOffloadingManager(4, "turn_aware")
+    second = CPUOffloadingManager(4, "turn_aware")
+    for i in range(3):  # the first policy learns classes the second never sees
+        ctx = ReqContext(f"w{i}")
+        ctx.set_state(SessionHint(continues=bool(i % 2), priority=i))
+        _store(first, [b"w%d/%d" % (i, j) for j in range(i + 1)], ctx)
+    shared = ReqContext("shared")
+    shared.set_state(SessionHint(priority=3))
+    keys = [b"s/0", b"s/1"]
+    for mgr in (first, second):
+        _store(mgr, keys, shared)
+        mgr.touch(keys, shared)
+        assert mgr.policy.admits(shared, 1) in (True, False)
+    request = shared.get_state(_Request)
+    assert request is not None and request.owner is second.policy
+    assert second.policy._classes[request.cls].key == (0, 3, 1, 2)
+    assert second.prepare_store([b"t/0", b"t/1", b"t/2"], ReqContext("t")) is not None
