@@ -540,6 +540,10 @@ class TurnAwareCachePolicy(CachePolicy):
             request = self._classify(keys, ctx)
             if ctx is not None:
                 ctx.set_state(request)
+        elif request.deadline is not None:  # a hint's ttl_s counts from the last use
+            hint = hint_of(ctx)
+            if hint is not None and hint.ttl_s is not None:
+                request.deadline = self.clock() + hint.ttl_s
         self._retouch(keys, request)
 
     def _retouch(self, keys: Sequence[bytes], request: _Request, start: int = 0) -> None:

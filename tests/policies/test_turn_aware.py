@@ -673,3 +673,27 @@ def test_a_context_shared_by_two_managers_is_classified_by_each() -> None:
     assert request is not None and request.owner is second.policy
     assert second.policy._classes[request.cls].key == (0, 3, 1, 2)
     assert second.prepare_store([b"t/0", b"t/1", b"t/2"], ReqContext("t")) is not None
+
+
+def test_a_ttl_counts_from_the_requests_last_use() -> None:
+    """``SessionHint.ttl_s``: seconds after the request's *last* use. A request first touched
+    at 0 s whose blocks were stored and touched again at 10 s (a long prefill) is not expired
+    at 11 s with a 5 s ttl: an older block without a ttl goes first (ties go oldest first)."""
+    now = [0.0]
+    mgr = CPUOffloadingManager(2, "turn_aware")
+    mgr.policy.clock = lambda: now[0]  # type: ignore[attr-defined]
+    old = ReqContext("old")
+    old.set_state(SessionHint(continues=True))  # another class: values are compared
+    _store(mgr, [b"o0"], old)
+    long = ReqContext("long")
+    long.set_state(SessionHint(ttl_s=5.0))
+    mgr.touch([b"l0"], long)
+    now[0] = 10.0
+    out = mgr.prepare_store([b"l0"], long)
+    assert out is not None
+    mgr.complete_store(out.keys_to_store, long)
+    mgr.touch([b"l0"], long)  # its last use
+    now[0] = 11.0
+    assert _store(mgr, [b"n0"], ReqContext("new")) == [b"o0"]
+    now[0] = 16.0  # past 10 s + 5 s: l0 (the oldest, and expired) goes
+    assert _store(mgr, [b"m0"], ReqContext("newer")) == [b"l0"]
