@@ -125,14 +125,19 @@ class _Entry:
 
 class _Request:
     """Per-request scratch (kept on the ReqContext): the class of the request's blocks and
-    ``prev``, the prompt-end key of the earlier turn it continues (None: a first turn)."""
+    ``prev``, the prompt-end key of the earlier turn it continues (None: a first turn), for the
+    policy ``owner`` (a context read by another policy is classified there afresh: ``cls``
+    indexes the owner's classes)."""
 
-    __slots__ = ("cls", "deadline", "prev")
+    __slots__ = ("cls", "deadline", "owner", "prev")
 
-    def __init__(self, cls: int, deadline: float | None, prev: bytes | None = None) -> None:
+    def __init__(
+        self, cls: int, deadline: float | None, prev: bytes | None = None, owner: object = None
+    ) -> None:
         self.cls = cls
         self.deadline = deadline
         self.prev = prev
+        self.owner = owner
 
 
 class _Counts:
@@ -390,7 +395,7 @@ class TurnAwareCachePolicy(CachePolicy):
         while len(directory) > self.directory_size:
             directory.popitem(last=False)
         self._tick = now + len(keys)
-        return _Request(cls, deadline, keys[matched] if matched >= 0 else None)
+        return _Request(cls, deadline, keys[matched] if matched >= 0 else None, self)
 
     # -- heaps ---------------------------------------------------------------------------------
     def _offer(self, key: bytes, entry: _Entry) -> None:
@@ -531,10 +536,14 @@ class TurnAwareCachePolicy(CachePolicy):
         if not keys:
             return
         request = None if ctx is None else ctx.get_state(_Request)
-        if request is None:
+        if request is None or request.owner is not self:
             request = self._classify(keys, ctx)
             if ctx is not None:
                 ctx.set_state(request)
+        elif request.deadline is not None:  # a hint's ttl_s counts from the last use
+            hint = hint_of(ctx)
+            if hint is not None and hint.ttl_s is not None:
+                request.deadline = self.clock() + hint.ttl_s
         self._retouch(keys, request)
 
     def _retouch(self, keys: Sequence[bytes], request: _Request, start: int = 0) -> None:
@@ -569,16 +578,17 @@ class TurnAwareCachePolicy(CachePolicy):
         """Whether to store ``n`` new blocks of the request of ``ctx`` at all.
 
         True when admission is off (``admission_margin`` None), the request is unknown (not
-        touched yet), the ``n`` blocks fit in free slots, or nothing is evictable; otherwise
-        when a fresh block of the request's class outranks the cheapest evictable block: a
-        higher priority, or the same priority and ``admission_margin`` times its P(read within
-        ``H``). A refused request's blocks are not stored; the coordinator asks only when the
-        cascade has no secondary tier (``TieringCoordinator._admits_new_blocks``).
+        touched yet, or only by another policy), the ``n`` blocks fit in free slots, or nothing
+        is evictable; otherwise when a fresh block of the request's class outranks the cheapest
+        evictable block: a higher priority, or the same priority and ``admission_margin`` times
+        its P(read within ``H``). A refused request's blocks are not stored; the coordinator
+        asks only when the cascade has no secondary tier
+        (``TieringCoordinator._admits_new_blocks``).
         """
         if self.admission_margin is None or ctx is None:
             return True
         request = ctx.get_state(_Request)
-        return request is None or self._admits(request, n)
+        return request is None or request.owner is not self or self._admits(request, n)
 
     def _admits(self, request: _Request, n: int) -> bool:
         """:meth:`admits` for a classified request."""
@@ -764,6 +774,8 @@ class TurnAwareCachePolicy(CachePolicy):
             histogram = [counts(r) for r in pooled["histogram"]]
             if len(histogram) != _BUCKETS:
                 raise ValueError(f"histogram of {len(histogram)} buckets, expected {_BUCKETS}")
+            if not math.isfinite(sum(histogram)):  # each finite, their total not: NaN shapes
+                raise ValueError("histogram total overflows")
             for key, _, _ in classes:
                 hint, prio, turn, nb = key
                 if not (

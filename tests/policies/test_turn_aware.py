@@ -4,6 +4,7 @@ rules, session hints, and saved state."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -615,3 +616,84 @@ def test_adaptive_parameters_are_checked() -> None:
             AdaptiveCachePolicy(4, **bad)
     with pytest.raises(ValueError, match="max_turn"):
         AdaptiveCachePolicy(4, max_turn=0)
+
+
+def test_a_histogram_whose_total_overflows_is_refused() -> None:
+    """Every count finite, their sum not: the pooled shape would be NaN (inf / inf), every
+    value NaN, and a full cache would refuse every new request (NaN >= x is False) — and save
+    the same state again at shutdown. Such a state is malformed: nothing changes."""
+    policy = TurnAwareCachePolicy(4)
+    state = _state(100.0, 0.0)
+    policy.set_state(state)
+    before = policy.class_table()
+    state["pooled"]["histogram"] = [1e308] * 64
+    with pytest.raises(ValueError, match="overflows"):
+        policy.set_state(state)
+    assert policy.class_table() == before
+    assert all(math.isfinite(row["p_reread_within_h"]) for row in policy.class_table())
+
+
+def test_adaptive_shadow_inserts_a_repeated_key_once() -> None:
+    """A request that names a key twice: the manager stores it once, and so must the shadow
+    turn-aware cache (``insert`` only of absent keys), or its evictable count and tick sum
+    grow by one such key per request while it holds the same blocks."""
+    mgr = CPUOffloadingManager(4, "adaptive")
+    policy = mgr.policy
+    assert isinstance(policy, AdaptiveCachePolicy) and policy.sampling == 1
+    shadow = policy._shadow_turn_aware
+    for i in range(6):
+        keys = [b"root", b"d%d" % i, b"d%d" % i, b"e%d" % i]
+        mgr.touch(keys, ReqContext(f"r{i}"))
+        assert len(shadow._blocks) <= shadow.cache_capacity
+        assert shadow._evictable == len(shadow._blocks)  # shadow blocks are all idle
+        assert shadow._tick_sum == sum(entry.tick for entry in shadow._blocks.values())
+    # full: no extra eviction for the repeated key (there was one per request)
+    assert len(shadow._blocks) == 4 and {b"root", b"d5", b"e5"} <= shadow._blocks.keys()
+
+
+def test_a_context_shared_by_two_managers_is_classified_by_each() -> None:
+    """One ReqContext presented to two managers (the manager keeps one access record per
+    manager): the turn-aware scratch on it names a class of the first policy, an index past the
+    end of the second's classes (IndexError) or another class there. Each policy classifies the
+    request itself."""
+    first = CPUOffloadingManager(4, "turn_aware")
+    second = CPUOffloadingManager(4, "turn_aware")
+    for i in range(3):  # the first policy learns classes the second never sees
+        ctx = ReqContext(f"w{i}")
+        ctx.set_state(SessionHint(continues=bool(i % 2), priority=i))
+        _store(first, [b"w%d/%d" % (i, j) for j in range(i + 1)], ctx)
+    shared = ReqContext("shared")
+    shared.set_state(SessionHint(priority=3))
+    keys = [b"s/0", b"s/1"]
+    for mgr in (first, second):
+        _store(mgr, keys, shared)
+        mgr.touch(keys, shared)
+        assert mgr.policy.admits(shared, 1) in (True, False)
+    request = shared.get_state(_Request)
+    assert request is not None and request.owner is second.policy
+    assert second.policy._classes[request.cls].key == (0, 3, 1, 2)
+    assert second.prepare_store([b"t/0", b"t/1", b"t/2"], ReqContext("t")) is not None
+
+
+def test_a_ttl_counts_from_the_requests_last_use() -> None:
+    """``SessionHint.ttl_s``: seconds after the request's *last* use. A request first touched
+    at 0 s whose blocks were stored and touched again at 10 s (a long prefill) is not expired
+    at 11 s with a 5 s ttl: an older block without a ttl goes first (ties go oldest first)."""
+    now = [0.0]
+    mgr = CPUOffloadingManager(2, "turn_aware")
+    mgr.policy.clock = lambda: now[0]  # type: ignore[attr-defined]
+    old = ReqContext("old")
+    old.set_state(SessionHint(continues=True))  # another class: values are compared
+    _store(mgr, [b"o0"], old)
+    long = ReqContext("long")
+    long.set_state(SessionHint(ttl_s=5.0))
+    mgr.touch([b"l0"], long)
+    now[0] = 10.0
+    out = mgr.prepare_store([b"l0"], long)
+    assert out is not None
+    mgr.complete_store(out.keys_to_store, long)
+    mgr.touch([b"l0"], long)  # its last use
+    now[0] = 11.0
+    assert _store(mgr, [b"n0"], ReqContext("new")) == [b"o0"]
+    now[0] = 16.0  # past 10 s + 5 s: l0 (the oldest, and expired) goes
+    assert _store(mgr, [b"m0"], ReqContext("newer")) == [b"l0"]
