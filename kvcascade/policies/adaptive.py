@@ -190,9 +190,8 @@ class _ShadowTurnAware(TurnAwareCachePolicy):
                 break
             hits += 1
         self._retouch(keys, request)
-        new = [key for key in keys[hits:] if key not in blocks]
-        if len(new) > 1 and len(set(new)) != len(new):  # a key twice: insert it once
-            new = list(dict.fromkeys(new))
+        # each new key once (a request may name one twice; the manager stores it once)
+        new = list(dict.fromkeys([key for key in keys[hits:] if key not in blocks]))
         del new[self.cache_capacity :]
         if new and self._admits(request, len(new)):
             need = len(blocks) + len(new) - self.cache_capacity
