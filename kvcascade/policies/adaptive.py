@@ -20,9 +20,10 @@ directory, statistics and clock, so it costs no learning of its own).
   two shadows (turn-aware − LRU). In an exponentially decaying window of ``window_factor × H``
   block reads (``H``: the turnover time of ``turn_aware``) it keeps the lead ``L = Σ d`` and
   ``Q = Σ d²`` (the variance of ``L`` were the two equal).
-* **Modes.** LRU mode (the start: an untrained model has nothing to offer) — every block is
-  worth the same, so eviction goes oldest first (deepest first within a request, leaves first:
-  the turn-aware order with all values equal) and everything is admitted. The model keeps
+* **Modes.** LRU mode (the start: an untrained model has nothing to offer) — every block of a
+  priority level is worth the same, so eviction goes oldest first (deepest first within a
+  request, leaves first: the turn-aware order with all values equal) and everything is
+  admitted. The model keeps
   learning from every request. It switches to turn-aware mode (:class:`TurnAwareCachePolicy`)
   when the turn-aware shadow leads by ``confidence`` standard deviations, ``L > confidence ×
   √Q``, once a whole window of block reads has been seen — ``window_factor`` turnover times
@@ -38,8 +39,9 @@ directory, statistics and clock, so it costs no learning of its own).
 
 Hints: the shadow turn-aware cache and turn-aware mode use them as ``turn_aware`` does (the
 class carries them); LRU mode admits as LRU does with hints (a request whose session will not
-continue stores no new blocks, :func:`kvcascade.hints.admits_new_blocks`), so an explicit
-``continues=False`` is honoured in either mode; the shadow LRU ignores them.
+continue stores no new blocks, :func:`kvcascade.hints.admits_new_blocks`) and ranks by the
+hint's ``priority`` first and its ``ttl_s`` (nothing is worth less than an expired block), so
+explicit hints are honoured in either mode; the shadow LRU ignores them.
 
 Cost per request on its first touch: one ``crc32`` and two ordered-dict operations (the sample
 flags of its prompt ends, at most ``directory_size`` of them); for a sampled request the two
@@ -61,6 +63,7 @@ from .._types import ReqContext
 from ..hints import may_continue
 from .base import BlockStatus
 from .turn_aware import (
+    _EXPIRED,
     TurnAwareCachePolicy,
     _ClassStats,
     _Counts,
@@ -77,11 +80,6 @@ _PENDING = BlockStatus(-1, -1)
 #: Back to LRU mode when the turn-aware shadow's lead falls below this share of the
 #: ``confidence × √Q`` that switched to turn-aware mode (docs/policies.md: ``adaptive``).
 _RELEASE = 0.125
-
-
-def _equal_value(entry: _Entry) -> float:
-    """LRU mode's value of every block: equal values make the turn-aware order LRU's."""
-    return 0.0
 
 
 class _ShadowLRU:
@@ -303,8 +301,19 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
         self.switches += 1
 
     def _valuer(self, now_s: float | None, horizon: float) -> Callable[[_Entry], float]:
-        """In LRU mode every block is worth the same (:func:`_equal_value`)."""
-        return _equal_value if self.lru_mode else super()._valuer(now_s, horizon)
+        """In LRU mode a block is worth its hint's priority (nothing past its ``ttl_s``): equal
+        values make the turn-aware order LRU's, within a priority level, as
+        :class:`kvcascade.hints.SessionHint` promises of every priority."""
+        if not self.lru_mode:
+            return super()._valuer(now_s, horizon)
+        classes = self._classes
+
+        def value(entry: _Entry) -> float:
+            if entry.deadline is not None and now_s is not None and now_s > entry.deadline:
+                return _EXPIRED
+            return classes[entry.cls].key[1]
+
+        return value
 
     def admits(self, ctx: ReqContext | None, n: int = 1) -> bool:
         """In LRU mode LRU's hint rule (no new blocks for a session that will not continue);

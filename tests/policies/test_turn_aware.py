@@ -543,6 +543,37 @@ def test_adaptive_in_lru_mode_admits_as_lru_does_with_hints() -> None:
     assert admits_new_blocks(ReqContext("none"), adaptive.policy, 2)
 
 
+def test_adaptive_in_lru_mode_ranks_by_hint_priority_and_ttl() -> None:
+    """``SessionHint`` promises every priority level: a higher priority's blocks go only after
+    every lower one's; past ``ttl_s`` a block is worth nothing. The default policy starts in
+    LRU mode and keeps both promises there (it ignored them before a user trial found it)."""
+    for name in ("adaptive", "turn_aware"):
+        mgr = CPUOffloadingManager(3, name)
+        policy = mgr.policy
+        assert isinstance(policy, TurnAwareCachePolicy)
+        now = [0.0]
+        policy.clock = lambda: now[0]
+
+        def hinted(label: str, **hint: object) -> ReqContext:
+            ctx = ReqContext(label)
+            ctx.set_state(SessionHint(**hint))  # type: ignore[arg-type]
+            return ctx
+
+        _store(mgr, [b"high/0"], hinted("high", priority=3))  # the oldest
+        _store(mgr, [b"low/0"], hinted("low", priority=-3))
+        _store(mgr, [b"plain/0"])
+        assert _store(mgr, [b"new/0"]) == [b"low/0"], name
+        # priority 2: a class of its own (within a class blocks leave oldest first, expired
+        # or not: docs/policies.md, turn_aware's Eviction)
+        brief = hinted("brief", priority=2, ttl_s=1.0)
+        _store(mgr, [b"brief/0"], brief)
+        mgr.touch([b"brief/0"], brief)  # after the store, as the connector does: files it
+        now[0] = 2.0  # brief/0 expired: worth less than anything
+        assert _store(mgr, [b"newer/0"]) == [b"brief/0"], name
+        if name == "adaptive":
+            assert policy.lru_mode  # type: ignore[attr-defined]
+
+
 def test_adaptive_shadow_lru_holds_what_an_lru_cache_holds() -> None:
     """With ``k = 1`` the shadow LRU is an LRU cache of the same capacity fed every request."""
     chains = [[b"r", b"a%d" % (i % 5), b"b%d" % (i % 3)] for i in range(12)]
