@@ -552,7 +552,7 @@ def test_adaptive_in_lru_mode_ranks_by_hint_priority_and_ttl() -> None:
         policy = mgr.policy
         assert isinstance(policy, TurnAwareCachePolicy)
         now = [0.0]
-        policy.clock = lambda: now[0]
+        policy.clock = lambda now=now: now[0]
 
         def hinted(label: str, **hint: object) -> ReqContext:
             ctx = ReqContext(label)
