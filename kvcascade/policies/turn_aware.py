@@ -742,26 +742,38 @@ class TurnAwareCachePolicy(CachePolicy):
         """
 
         def counts(value: Any) -> float:
-            number = float(value)
-            if not math.isfinite(number) or number < 0:
+            # JSON numbers only: not a bool, a numeric string, NaN or a negative count
+            if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"bad count {value!r}")
-            return number
+            return float(value)
 
         def rows(items: Any, width: int) -> list[tuple[tuple[int, ...], float, float]]:
             out = []
+            seen = set()
             for item in items:
                 if not isinstance(item, list) or len(item) != width + 2:
                     raise ValueError(f"bad row {item!r}")
-                key = tuple(int(v) for v in item[:width])
+                key = tuple(item[:width])
+                if any(type(v) is not int for v in key):  # not 1.5 (truncated), not true
+                    raise ValueError(f"bad row {item!r}: its key must be integers")
+                hint, prio, turn = key[:3]
+                if not (0 <= hint <= 2 and abs(prio) <= MAX_PRIORITY and 1 <= turn <= max_turn):
+                    raise ValueError(f"row {item!r} out of range")
+                if width == 4 and not 0 <= key[3] <= 8:
+                    raise ValueError(f"row {item!r} out of range")
+                if key in seen:
+                    raise ValueError(f"row {item!r} repeats its key")
+                seen.add(key)
                 out.append((key, counts(item[width]), counts(item[width + 1])))
             return out
 
+        max_turn = self.max_turn
         try:
             if not isinstance(state, dict):
                 raise ValueError("not an object")
-            if state.get("version") != _STATE_VERSION:
+            if type(state.get("version")) is not int or state["version"] != _STATE_VERSION:
                 raise ValueError(f"unsupported state version {state.get('version')!r}")
-            if state.get("max_turn") != self.max_turn:
+            if type(state.get("max_turn")) is not int or state["max_turn"] != self.max_turn:
                 raise ValueError(
                     f"saved with max_turn={state.get('max_turn')!r}, this policy has "
                     f"{self.max_turn}"
@@ -776,15 +788,6 @@ class TurnAwareCachePolicy(CachePolicy):
                 raise ValueError(f"histogram of {len(histogram)} buckets, expected {_BUCKETS}")
             if not math.isfinite(sum(histogram)):  # each finite, their total not: NaN shapes
                 raise ValueError("histogram total overflows")
-            for key, _, _ in classes:
-                hint, prio, turn, nb = key
-                if not (
-                    0 <= hint <= 2
-                    and abs(prio) <= MAX_PRIORITY
-                    and 1 <= turn <= self.max_turn
-                    and 0 <= nb <= 8
-                ):
-                    raise ValueError(f"class {key} out of range")
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{source}: malformed policy state ({exc})") from exc
         for stats in self._classes:
@@ -827,6 +830,6 @@ class TurnAwareCachePolicy(CachePolicy):
             raw = handle.read()
         try:
             state = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
             raise ValueError(f"{os.fspath(path)}: not a policy state file ({exc})") from exc
         self.set_state(state, os.fspath(path))

@@ -421,6 +421,58 @@ def test_new_statistics_take_effect_at_once() -> None:
     assert out is not None and list(out.evicted_keys) == [b"a/1"]
 
 
+def _mutated(edit: str) -> dict:
+    state = _state(50.0, 10.0)
+    if edit == "float version":
+        state["version"] = 2.0
+    elif edit == "float max_turn":
+        state["max_turn"] = 5.0
+    elif edit == "fractional key":
+        state["classes"][0][3] = 1.5
+    elif edit == "bool key":
+        state["classes"][0][0] = True
+    elif edit == "string count":
+        state["classes"][0][4] = "100"
+    elif edit == "bool count":
+        state["pooled"]["labels"] = True
+    elif edit == "repeated class":
+        state["classes"].append(list(state["classes"][0]))
+    elif edit == "group out of range":
+        state["groups"][0][2] = 9  # turn 9 > max_turn 5
+    return state
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        "float version",
+        "float max_turn",
+        "fractional key",
+        "bool key",
+        "string count",
+        "bool count",
+        "repeated class",
+        "group out of range",
+    ],
+)
+def test_a_loosely_typed_state_is_refused_and_changes_nothing(edit: str) -> None:
+    """A state file is JSON we wrote: anything else in it (a key truncated from 1.5, a count
+    given as a string, a row twice) is refused, naming it, before the statistics change."""
+    policy = TurnAwareCachePolicy(32)
+    policy.set_state(_state(50.0, 10.0))
+    before = policy.state()
+    with pytest.raises(ValueError, match="malformed policy state"):
+        policy.set_state(_mutated(edit))
+    assert policy.state() == before
+
+
+def test_a_deeply_nested_state_file_is_a_value_error(tmp_path: Path) -> None:
+    path = tmp_path / "turn_aware_state.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="not a policy state file"):
+        TurnAwareCachePolicy(32).load_state(path)
+
+
 def test_insert_of_a_ready_block_is_evictable() -> None:
     policy = TurnAwareCachePolicy(4)
     policy.insert(b"k", BlockStatus(0, ref_cnt=0))
