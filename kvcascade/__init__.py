@@ -63,9 +63,11 @@ _EXPORTS: dict[str, str] = {
     "batch_copy": ".ops",
     "swap_blocks": ".ops",
     "ARCCachePolicy": ".policies",
+    "AdaptiveCachePolicy": ".policies",
     "BlockStatus": ".policies",
     "CachePolicy": ".policies",
     "LRUCachePolicy": ".policies",
+    "S3FIFOCachePolicy": ".policies",
     "TurnAwareCachePolicy": ".policies",
     "register_cache_policy": ".policies",
     "SecondaryTier": ".tiers.base",
@@ -99,6 +101,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "ARCCachePolicy",
+    "AdaptiveCachePolicy",
     "BlockIDsLoadStoreSpec",
     "BlockStatus",
     "BlockUnavailableError",
@@ -132,6 +135,7 @@ __all__ = [
     "PrepareStoreOutput",
     "ReqContext",
     "RequestOffloadingContext",
+    "S3FIFOCachePolicy",
     "ScheduleEndContext",
     "SecondaryTier",
     "SessionHint",
