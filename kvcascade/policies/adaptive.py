@@ -22,20 +22,19 @@ directory, statistics and clock, so it costs no learning of its own).
   ``Q = Σ d²`` (the variance of ``L`` were the two equal).
 * **Modes.** LRU mode (the start: an untrained model has nothing to offer) — every block of a
   priority level is worth the same, so eviction goes oldest first (deepest first within a
-  request, leaves first: the turn-aware order with all values equal) and everything is
-  admitted. The model keeps
-  learning from every request. It switches to turn-aware mode (:class:`TurnAwareCachePolicy`)
-  when the turn-aware shadow leads by ``confidence`` standard deviations, ``L > confidence ×
-  √Q``, once a whole window of block reads has been seen — ``window_factor`` turnover times
-  of the shadow LRU (before that, ``Q`` of a few small differences understates the variance
-  of a heavy-tailed workload: one long conversation can turn a 2σ lead into a loss;
-  ``benchmarks/policy_suite.py --seed 1``'s ``turns_decreasing`` 10 % fell 0.010 below LRU
-  without this rule) — and back when its lead falls below an eighth of that, ``L <
-  confidence / 8 × √Q`` (the hysteresis keeps a lead near the threshold from flapping the
-  mode: each switch costs the hits of a cache turning over to the other mode's
-  contents). LRU is what the never-below rule of issue #19 compares with, hence the bias
-  towards it. No hit is spent on finding out: the real cache never tries a mode the shadows
-  have not shown to win.
+  request, leaves first: the turn-aware order with all values equal) and everything is admitted.
+  The model keeps learning from every request. It switches to turn-aware mode
+  (:class:`TurnAwareCachePolicy`) when the turn-aware shadow leads by ``confidence`` standard
+  deviations, ``L > confidence × √Q``, once a whole window of block reads has been seen —
+  ``window_factor`` turnover times of the shadow LRU (before that, ``Q`` of a few small
+  differences understates the variance of a heavy-tailed workload: one long conversation can
+  turn a 2σ lead into a loss; ``benchmarks/policy_suite.py --seed 1``'s ``turns_decreasing``
+  10 % fell 0.010 below LRU without this rule) — and back when its lead falls below an eighth of
+  that, ``L < confidence / 8 × √Q`` (the hysteresis keeps a lead near the threshold from
+  flapping the mode: each switch costs the hits of a cache turning over to the other mode's
+  contents). LRU is what the never-below rule of issue #19 compares with, hence the bias towards
+  it. No hit is spent on finding out: the real cache never tries a mode the shadows have not
+  shown to win.
 
 Hints: the shadow turn-aware cache and turn-aware mode use them as ``turn_aware`` does (the
 class carries them); LRU mode admits as LRU does with hints (a request whose session will not
@@ -68,6 +67,7 @@ from .turn_aware import (
     _ClassStats,
     _Counts,
     _Entry,
+    _expired,
     _prompt_ends,
     _Request,
 )
@@ -309,9 +309,7 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
         classes = self._classes
 
         def value(entry: _Entry) -> float:
-            if entry.deadline is not None and now_s is not None and now_s > entry.deadline:
-                return _EXPIRED
-            return classes[entry.cls].key[1]
+            return _EXPIRED if _expired(entry, now_s) else classes[entry.cls].key[1]
 
         return value
 

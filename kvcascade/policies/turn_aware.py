@@ -123,6 +123,11 @@ class _Entry:
     __slots__ = ("block", "children", "cls", "deadline", "depth", "parent", "tick", "token", "up")
 
 
+def _expired(entry: _Entry, now_s: float | None) -> bool:
+    """Whether ``entry`` is past its hint's ``ttl_s`` at wall time ``now_s`` (seconds)."""
+    return entry.deadline is not None and now_s is not None and now_s > entry.deadline
+
+
 class _Request:
     """Per-request scratch (kept on the ReqContext): the class of the request's blocks and
     ``prev``, the prompt-end key of the earlier turn it continues (None: a first turn), for the
@@ -303,7 +308,7 @@ class TurnAwareCachePolicy(CachePolicy):
         return (p * _cdf(shape, age + horizon) - before) / survive
 
     def _value(self, entry: _Entry, now_s: float | None, horizon: float) -> float:
-        if entry.deadline is not None and now_s is not None and now_s > entry.deadline:
+        if _expired(entry, now_s):
             return _EXPIRED
         stats = self._classes[entry.cls]
         return stats.key[1] + self.reread_probability(entry.cls, self._tick - entry.tick, horizon)
