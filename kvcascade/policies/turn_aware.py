@@ -510,9 +510,11 @@ class TurnAwareCachePolicy(CachePolicy):
             self._evictable += 1
             self._offer(key, entry)
 
-    def _forget(self, key: bytes) -> _Entry:
+    def _forget(self, key: bytes, offer: bool = True) -> _Entry:
         """Drop ``key``'s entry and return it; it goes back to the spares unless a resident
-        block counts it as its parent, so read it before the next :meth:`insert`."""
+        block counts it as its parent, so read it before the next :meth:`insert`. A parent
+        left a leaf is offered (:meth:`_offer`) unless ``offer`` is False: then the caller
+        evicts or offers it (:meth:`evict`'s chains)."""
         blocks = self._blocks
         entry = blocks.pop(key)
         self._tick_sum -= entry.tick
@@ -524,7 +526,7 @@ class TurnAwareCachePolicy(CachePolicy):
         p = entry.up  # set with entry.parent
         if p is not None and blocks.get(entry.parent) is p:  # type: ignore[arg-type]
             p.children -= 1
-            if not p.children:
+            if not p.children and offer:
                 self._offer(entry.parent, p)  # type: ignore[arg-type]
         if not entry.children:  # no resident block names it as ``up``: reusable
             entry.up = None
@@ -647,6 +649,10 @@ class TurnAwareCachePolicy(CachePolicy):
         heapq.heapify(heads)
         top = heappop(heads) if heads else None
         entry: _Entry | None = None  # the valid head of ``top``'s class, when known
+        # The key of ``entry`` when it is the parent of the block just evicted, taken next
+        # without a heap item (a request's blocks leave as a chain: one push and pop saved
+        # per victim); None: ``entry`` is its class's heap[0].
+        chain: bytes | None = None
         out: list[tuple[bytes, BlockStatus]] = []
         passed: list[tuple[int, tuple[int, int, bytes]]] = []  # protected heads
         while len(out) < n:
@@ -664,25 +670,50 @@ class TurnAwareCachePolicy(CachePolicy):
                 top = heappop(heads) if heads else None
                 continue
             heap = stats.heap
-            item = heap[0]
-            # A lone class needs no values: its head goes first whatever it is worth.
-            if heads and (current := value_of(entry)) > value and current > heads[0][0]:
-                pushed = (current, item[0], idx)  # stale: re-rank
-                top = heappushpop(heads, pushed)
-                if top is not pushed:
-                    entry = None
-                continue
-            heappop(heap)  # ``item``: evicted (stale from now on) or passed over
-            key = item[2]
             offered = None
-            if key in protected:
-                passed.append((idx, item))
+            if chain is not None:  # valued when chained: never stale
+                key = chain
+                chain = None
             else:
-                self._forget(key)  # may offer its parent to a class heap
+                item = heap[0]
+                # A lone class needs no values: its head goes first whatever it is worth.
+                if heads and (current := value_of(entry)) > value and current > heads[0][0]:
+                    pushed = (current, item[0], idx)  # stale: re-rank
+                    top = heappushpop(heads, pushed)
+                    if top is not pushed:
+                        entry = None
+                    continue
+                heappop(heap)  # ``item``: evicted (stale from now on) or passed over
+                key = item[2]
+                if key in protected:
+                    passed.append((idx, item))
+                    key = None
+            if key is not None:
+                self._forget(key, offer=False)
                 out.append((key, entry.block))
+                up = entry.parent
+                parent = None if up is None else blocks.get(up)
+                # left a leaf by this eviction: idle, childless and in no heap (every other
+                # idle leaf is in one)
+                if (
+                    parent is not None
+                    and parent.token < 0
+                    and not parent.children
+                    and not parent.block.ref_cnt
+                ):
+                    if len(out) < n and parent.cls == idx and up not in protected:
+                        # The next victim if it is the class's head and the cheapest head:
+                        # what pushing it and popping it again would find (a stale heap[0]
+                        # ahead of it: pushed, to be safe).
+                        order = (parent.tick << _ORDER_SHIFT) - parent.depth
+                        if not heap or order < heap[0][0]:
+                            pushed = (value_of(parent) if heads else value, order, idx)
+                            if not heads or not heads[0] < pushed:
+                                entry, chain, top = parent, up, pushed
+                                continue
+                    self._offer(up, parent)  # type: ignore[arg-type]
                 if len(out) == n:
                     break
-                parent = None if entry.parent is None else blocks.get(entry.parent)
                 if parent is not None and parent.token >= 0 and parent.cls != idx:
                     offered = parent  # a parent of this class is among its heads below
             if offered is not None:

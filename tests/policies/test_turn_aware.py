@@ -271,10 +271,11 @@ def _class_key(policy: TurnAwareCachePolicy, ctx: ReqContext) -> tuple[int, int,
 
 def test_eviction_order_survives_a_heap_compaction_within_evict() -> None:
     """A class heap is compacted (stale items dropped, in place) once it holds more than twice
-    its live items + 64. ``evict`` queues each victim's parent in the heap it is walking, so the
-    compaction can happen in the middle of a call: the victims must not change (oldest request
-    first, deepest block first; then, with only parents of pinned blocks idle, the deepest of
-    those)."""
+    its live items + 64. ``evict`` takes a victim's parent next without queueing it when it is
+    the cheapest candidate, and queues it in the heap it is walking otherwise — here because it
+    is protected — so the compaction can happen in the middle of a call: the victims must not
+    change (the oldest request deepest block first up to its protected prefix; then, with only
+    blocks with a resident child idle, the deepest of those)."""
     a = [b"a%d" % i for i in range(10)]
     b = [b"b%d" % i for i in range(10)]
     compacted_within = 0
@@ -290,13 +291,14 @@ def test_eviction_order_survives_a_heap_compaction_within_evict() -> None:
         assert request is not None
         heap = mgr.policy._classes[request.cls].heap  # a's and b's class
         before = len(heap)
-        out = mgr.prepare_store([b"c%d" % i for i in range(22)])  # 12 free slots: 10 victims
+        # a0…a4 ready (protected, not stored), 22 new keys in 12 free slots: 10 victims
+        out = mgr.prepare_store([*a[:5], *(b"c%d" % i for i in range(22))])
         assert out is not None
-        assert out.evicted_keys == a[::-1], touches
+        assert out.evicted_keys == [*a[:4:-1], *b[8:3:-1]], touches
         assert mgr.policy._classes[request.cls].heap is heap  # compacted in place
         compacted_within += len(heap) < before - 2
-        out = mgr.prepare_store([b"d0"])  # c* not ready, b9 pinned: b0…b8 have a child
-        assert out is not None and out.evicted_keys == [b"b8"]
+        out = mgr.prepare_store([b"d0"])  # c* not ready, b9 pinned: a4 is the only leaf
+        assert out is not None and out.evicted_keys == [b"a4"]
     assert compacted_within  # the bound was crossed inside evict for some touch count
 
 
