@@ -302,6 +302,28 @@ def test_eviction_order_survives_a_heap_compaction_within_evict() -> None:
     assert compacted_within  # the bound was crossed inside evict for some touch count
 
 
+def test_a_victims_parent_that_is_worth_more_waits_its_turn() -> None:
+    """``evict`` takes a victim's parent next without queueing it only when it would be the next
+    victim anyway; a parent re-read since under a higher priority is queued and waits behind
+    every block of the lower one: a's tail, then all of b, then a's prefix (deepest first)."""
+    mgr = CPUOffloadingManager(8, "turn_aware")
+    a = [b"a%d" % i for i in range(4)]
+    b = [b"b%d" % i for i in range(4)]
+    for keys in (a, b):
+        ctx = ReqContext(keys[0].decode())
+        mgr.touch(keys, ctx)
+        out = mgr.prepare_store(keys, ctx)
+        assert out is not None
+        mgr.touch(keys, ctx)  # filed at their depths, as the fronts do before complete_store
+        mgr.complete_store(out.keys_to_store, ctx)
+    again = ReqContext("a-again")
+    again.set_state(SessionHint(priority=1))
+    mgr.touch(a[:2], again)
+    out = mgr.prepare_store([b"c%d" % i for i in range(8)], ReqContext("c"))
+    assert out is not None
+    assert out.evicted_keys == [b"a3", b"a2", *b[::-1], b"a1", b"a0"]
+
+
 def test_turn_inference_from_chained_keys() -> None:
     """(hint, priority, turn, bit length of the new-block count) per request."""
     policy = TurnAwareCachePolicy(64)
