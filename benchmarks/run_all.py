@@ -65,6 +65,7 @@ BENCHMARKS = (
     Benchmark("loop_portal.py"),
     Benchmark("policy_cost.py"),
     Benchmark("policy_suite.py"),
+    Benchmark("policy_warm_start.py"),
     Benchmark("s3_tier.py"),
     Benchmark("valkey_tier.py"),
     Benchmark("slow_tier.py"),

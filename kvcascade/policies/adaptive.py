@@ -57,6 +57,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from types import FunctionType
+from typing import Any
 
 from .._types import ReqContext
 from ..hints import may_continue
@@ -317,6 +318,42 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
         """In LRU mode LRU's hint rule (no new blocks for a session that will not continue);
         else :meth:`TurnAwareCachePolicy.admits`."""
         return may_continue(ctx) if self.lru_mode else super().admits(ctx, n)
+
+    def state(self) -> dict[str, Any]:
+        """:meth:`TurnAwareCachePolicy.state` and the mode with its evidence: ``"adaptive":
+        {"lru_mode", "lead", "square"}`` (the decayed ``L`` and ``Q``). A cache restarted from
+        it goes on from the mode it stopped in, judged on the same evidence
+        (docs/policies.md, *State across restarts*)."""
+        state = super().state()
+        state["adaptive"] = {
+            "lru_mode": self.lru_mode,
+            "lead": self._lead,
+            "square": self._square,
+        }
+        return state
+
+    def set_state(self, state: Any, source: str = "state") -> None:
+        """:meth:`TurnAwareCachePolicy.set_state`, and the mode and evidence saved with it; a
+        state without them (saved by ``turn_aware``) leaves them as they are.
+
+        Raises:
+            ValueError: as :meth:`TurnAwareCachePolicy.set_state`, or ``"adaptive"`` is not
+                ``{"lru_mode": bool, "lead": number, "square": number >= 0}``; nothing changes
+                then.
+        """
+        saved = state.get("adaptive") if isinstance(state, dict) else None
+        if saved is not None:
+            ok = isinstance(saved, dict) and type(saved.get("lru_mode")) is bool
+            for name in ("lead", "square"):
+                value = saved.get(name) if ok else None
+                ok = ok and type(value) in (int, float) and math.isfinite(value)
+            if not ok or saved["square"] < 0:
+                raise ValueError(f"{source}: malformed policy state (adaptive {saved!r})")
+        super().set_state(state, source)
+        if saved is not None:
+            self.lru_mode = saved["lru_mode"]
+            self._lead = float(saved["lead"])
+            self._square = float(saved["square"])
 
     def clear(self) -> None:
         super().clear()

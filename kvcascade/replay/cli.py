@@ -166,6 +166,14 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument(
         "--seed", type=_nonneg_int, default=None, help="seed of --hints noise (default 0)"
     )
+    rp.add_argument(
+        "--policy-state",
+        type=_nonempty,
+        metavar="PATH",
+        help="with --compare-policies: the policies that learn (turn_aware, adaptive) start "
+        "from this saved state (the turn_aware_state.json a cascade with an fs tier keeps "
+        "beside its config.json) instead of cold",
+    )
     cal = sub.add_parser(
         "calibrate",
         help="measure the copy kernels on this machine and write the kernel-choice thresholds",
@@ -440,7 +448,12 @@ def _progress(
     return bar.update
 
 
-_COMPARE_ONLY = {"capacities": "--capacities", "hints": "--hints", "seed": "--seed"}
+_COMPARE_ONLY = {
+    "capacities": "--capacities",
+    "hints": "--hints",
+    "seed": "--seed",
+    "policy_state": "--policy-state",
+}
 #: The byte-exact replay's options: the comparison simulates one cache level of its own
 #: (docs/policies.md), with no tiers, sizes, policy option or plot of the replay.
 _REPLAY_ONLY = {
@@ -517,6 +530,7 @@ def _compare(args: argparse.Namespace) -> int:
     ):
         if not entries:
             raise ConfigError(f"{flag} needs at least one entry, got {text!r}")
+    policy_state = None if args.policy_state is None else _read_policy_state(args.policy_state)
     trace = read_trace(args.trace or bundled_trace(), limit=args.requests)
     runs = len(trace) * len(policies) * len(fractions)
     try:
@@ -524,7 +538,15 @@ def _compare(args: argparse.Namespace) -> int:
             progress = _progress(stack, args, runs, "compare")
             free_rules = not args.no_free_rules
             result = compare(
-                trace, policies, fractions, free_rules, args.hints, args.seed, progress
+                trace,
+                policies,
+                fractions,
+                free_rules,
+                args.hints,
+                args.seed,
+                progress,
+                policy_state,
+                args.policy_state,
             )
     except ValueError as exc:
         if isinstance(exc, KVCascadeError):
@@ -545,6 +567,20 @@ def _compare(args: argparse.Namespace) -> int:
         ]
         Path(args.json_path).write_text(json.dumps(rows, indent=2) + "\n")
     return 0
+
+
+def _read_policy_state(path: str) -> Any:
+    """The JSON of ``--policy-state PATH`` (checked by the policies, in ``compare``).
+
+    Raises:
+        ConfigError: not a file of JSON (unreadable: OSError, which names the path).
+    """
+    if not os.path.isfile(path):  # a FIFO or a directory: refused before it blocks or fails
+        raise ConfigError(f"--policy-state {path!r} is not a file")
+    try:
+        return json.loads(Path(path).read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ConfigError(f"--policy-state {path!r}: not a policy state file ({exc})") from None
 
 
 def _calibrate(args: argparse.Namespace) -> int:

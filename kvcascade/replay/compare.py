@@ -31,8 +31,9 @@ listed block is complete and stored); the free rules are options of this mode on
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .._types import LookupResult, ReqContext
 from ..hints import SessionHint, admits_new_blocks
@@ -94,6 +95,9 @@ class PolicyRun:
     hits: int
     instances: int
     dropped_blocks: int = 0
+    #: The policy's learned statistics after the run (``TurnAwareCachePolicy.state()``); None
+    #: for a policy that keeps none (``lru``, ``arc``, ``s3fifo``).
+    policy_state: dict[str, Any] | None = None
 
     @property
     def hit_ratio(self) -> float:
@@ -108,6 +112,7 @@ def simulate(
     free_rules: bool = True,
     hints: Sequence[SessionHint | None] | None = None,
     progress: Callable[[int], None] | None = None,
+    policy_state: Mapping[str, Any] | None = None,
 ) -> PolicyRun:
     """Run ``trace`` through a :class:`CPUOffloadingManager` of ``capacity`` blocks.
 
@@ -118,11 +123,19 @@ def simulate(
         free_rules: apply the two free rules (module docstring).
         hints: per request, a hint set on its context (or None).
         progress: called with 1 after each request.
+        policy_state: learned statistics to start from instead of a cold start (what
+            ``TurnAwareCachePolicy.state()`` returns, as the lifecycle saves beside the fs
+            tier: docs/policies.md, *State across restarts*); ignored by a policy that keeps
+            none (:func:`keeps_state`).
 
     Raises:
         ConfigError: unknown policy or bad capacity.
+        ValueError: ``policy_state`` is malformed or of another version or ``max_turn``.
     """
     manager = CPUOffloadingManager(capacity, policy)
+    learns = keeps_state(manager.policy)
+    if policy_state is not None and learns:
+        manager.policy.set_state(policy_state)  # type: ignore[attr-defined]
     clock_s = [0.0]
     if hasattr(manager.policy, "clock"):
         manager.policy.clock = lambda: clock_s[0]  # type: ignore[attr-defined]
@@ -170,7 +183,14 @@ def simulate(
         manager.on_request_finished(ctx)
         if progress is not None:
             progress(1)
-    return PolicyRun(policy, capacity, hits, instances, dropped)
+    state = manager.policy.state() if learns else None  # type: ignore[attr-defined]
+    return PolicyRun(policy, capacity, hits, instances, dropped, state)
+
+
+def keeps_state(policy: object) -> bool:
+    """Whether ``policy`` has learned statistics to hand over: ``state()`` / ``set_state()``
+    (``turn_aware``, ``adaptive``)."""
+    return callable(getattr(policy, "state", None)) and callable(getattr(policy, "set_state", None))
 
 
 def opt_run(trace: Sequence[TraceRequest], capacity: int, free_rules: bool = True) -> PolicyRun:
@@ -193,6 +213,8 @@ class Comparison:
     runs: dict[tuple[str, float], PolicyRun] = field(default_factory=dict)
     hints: str = "none"
     free_rules: bool = True
+    #: Where the learning policies' starting statistics came from (None: a cold start).
+    warm_from: str | None = None
 
 
 def parse_hints(spec: str) -> tuple[bool, float]:
@@ -223,15 +245,21 @@ def compare(
     hints: str = "none",
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
+    policy_state: Mapping[str, Any] | None = None,
+    warm_from: str | None = None,
 ) -> Comparison:
     """Simulate every policy at every capacity fraction, plus OPT (see :func:`simulate`).
 
     Hints (``none`` or ``oracle[:noise]``, :func:`oracle_hints`) go to every policy; OPT needs
-    none.
+    none. ``policy_state`` (``warm_from`` names its source in the table's title) is where every
+    policy that learns starts (:func:`simulate`); it is checked against each of them before any
+    run.
 
     Raises:
         ValueError: a fraction outside ``(0, 1]`` or of 0 blocks, a policy or fraction given
-            twice (its column or row would be printed twice), or a bad ``hints`` spec.
+            twice (its column or row would be printed twice), a bad ``hints`` spec, or a
+            ``policy_state`` a learning policy refuses (malformed, another version or
+            ``max_turn``).
         ConfigError: an unknown policy.
     """
     for what, values in (("policy", policies), ("capacity fraction", fractions)):
@@ -241,6 +269,16 @@ def compare(
                 raise ValueError(f"{what} {value!r} is given twice; give each once")
             seen.add(value)
     use_hints, noise = parse_hints(hints)
+    if policy_state is not None:
+        for name in policies:
+            probe = CPUOffloadingManager(1, name).policy
+            if not keeps_state(probe):
+                continue
+            try:
+                probe.set_state(policy_state)  # type: ignore[attr-defined]
+            except ValueError as exc:
+                source = warm_from or "policy_state"
+                raise ValueError(f"{source} does not suit policy {name!r}: {exc}") from exc
     request_hints = oracle_hints(trace, noise, seed) if use_hints else None
     unique = unique_blocks(trace)
     capacities = []
@@ -256,10 +294,12 @@ def compare(
         capacities.append(capacity)
     result = Comparison(list(fractions), capacities, list(policies), hints=hints)
     result.free_rules = free_rules
+    if policy_state is not None:
+        result.warm_from = warm_from or "the given state"
     for fraction, capacity in zip(fractions, capacities):
         for name in policies:
             result.runs[(name, fraction)] = simulate(
-                trace, name, capacity, free_rules, request_hints, progress
+                trace, name, capacity, free_rules, request_hints, progress, policy_state
             )
         result.runs[("opt", fraction)] = opt_run(trace, capacity, free_rules)
     return result
@@ -272,7 +312,9 @@ def format_comparison(result: Comparison) -> str:
     header = f"{'capacity':>9}{'blocks':>9}" + "".join(f"{n:>{width}}" for n in names)
     lines = [
         f"kvcascade replay --compare-policies (prefix-level hit ratio; free rules "
-        f"{'on' if result.free_rules else 'off'}; hints {result.hints})",
+        f"{'on' if result.free_rules else 'off'}; hints {result.hints}"
+        + (f"; learning policies start from {result.warm_from}" if result.warm_from else "")
+        + ")",
         header,
         "-" * len(header),
     ]

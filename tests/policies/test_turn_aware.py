@@ -804,3 +804,38 @@ def test_a_ttl_counts_from_the_requests_last_use() -> None:
     assert _store(mgr, [b"n0"], ReqContext("new")) == [b"o0"]
     now[0] = 16.0  # past 10 s + 5 s: l0 (the oldest, and expired) goes
     assert _store(mgr, [b"m0"], ReqContext("newer")) == [b"l0"]
+
+
+def test_adaptive_state_carries_its_mode_and_evidence(tmp_path: Path) -> None:
+    """A restarted adaptive cache goes on in the mode it stopped in, on the same evidence
+    (``L``, ``Q``); a ``turn_aware`` state (no mode) leaves the mode alone; a malformed mode is
+    refused and changes nothing, statistics included."""
+    policy = AdaptiveCachePolicy(64)
+    policy.set_state(_state(80.0, 10.0))
+    policy.lru_mode, policy._lead, policy._square = False, 12.5, 40.0
+    path = tmp_path / policy.state_file_name
+    policy.save_state(path)
+    fresh = AdaptiveCachePolicy(64)
+    fresh.load_state(path)
+    assert not fresh.lru_mode and (fresh._lead, fresh._square) == (12.5, 40.0)
+    assert fresh.class_table() == policy.class_table()
+    assert fresh.switches == 0  # loading is not a switch
+    # a turn_aware state: statistics only
+    fresh.set_state(_state(10.0, 80.0))
+    assert not fresh.lru_mode and fresh._lead == 12.5
+    before = fresh.class_table()
+    for bad in (
+        {"lru_mode": "no", "lead": 0.0, "square": 0.0},
+        {"lru_mode": True, "lead": float("nan"), "square": 0.0},
+        {"lru_mode": True, "lead": 0.0, "square": -1.0},
+        {"lru_mode": True, "lead": 0.0},
+        [True, 0.0, 0.0],
+    ):
+        state = {**_state(1.0, 1.0), "adaptive": bad}
+        with pytest.raises(ValueError, match="malformed policy state"):
+            fresh.set_state(state)
+        assert not fresh.lru_mode and fresh._lead == 12.5 and fresh.class_table() == before
+    # turn_aware reads an adaptive state's statistics and ignores the mode
+    plain = TurnAwareCachePolicy(64)
+    plain.load_state(path)
+    assert plain.class_table() == policy.class_table()

@@ -188,3 +188,64 @@ def test_cli_compare_refuses_a_repeated_or_missing_policy_or_capacity(
     assert main(["replay", "--requests", "5", "--quiet", *argv]) == 2
     out = capsys.readouterr()
     assert f"kvcascade: error: {message}" in out.err and out.out == ""
+
+
+def _labels(trace: list[TraceRequest]) -> int:
+    """Blocks a turn-aware policy files under the free rules: per request its touched (complete)
+    keys but the root, at least one."""
+    return sum(max(1, n - 1) for r in trace if (n := storable_blocks(r, free_rules=True)))
+
+
+def test_a_run_hands_over_its_learned_state(trace_slice: list[TraceRequest]) -> None:
+    """``simulate`` returns the learning policies' statistics after the run (None for LRU);
+    a run started from them is the run of a policy that had loaded them (what a cascade does
+    with the state file beside its fs tier), deterministic, and differs from a cold one."""
+    capacity = int(0.05 * unique_blocks(trace_slice))
+    assert simulate(trace_slice, "lru", capacity).policy_state is None
+    first, second = trace_slice[:750], trace_slice[750:]
+    learned = simulate(first, "turn_aware", capacity).policy_state
+    assert learned is not None and learned["version"] == 2
+    total_labels = learned["pooled"]["labels"]
+    assert total_labels == _labels(first)
+    cold = simulate(second, "turn_aware", capacity)
+    warm = simulate(second, "turn_aware", capacity, policy_state=learned)
+    again = simulate(second, "turn_aware", capacity, policy_state=learned)
+    assert (warm.hits, warm.instances) == (again.hits, again.instances)
+    assert warm.instances == cold.instances and warm.hits != cold.hits
+    # The warm run learned on: its statistics are the first half's plus the second half's.
+    assert warm.policy_state["pooled"]["labels"] == (total_labels + _labels(second))
+    # LRU keeps no state: the same run with or without one.
+    lru = simulate(second, "lru", capacity, policy_state=learned)
+    assert lru.hits == simulate(second, "lru", capacity).hits
+
+
+def test_cli_compare_from_a_saved_state(
+    trace_slice: list[TraceRequest], tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--policy-state PATH``: the learning policies start from a state file as a cascade
+    saves it (``save_state``); a file that is no state, of another ``max_turn``, or no file
+    at all is refused before any simulation, naming it; without --compare-policies it is
+    refused too."""
+    from kvcascade.policies import TurnAwareCachePolicy
+
+    policy = TurnAwareCachePolicy(100)
+    policy.set_state(simulate(trace_slice[:500], "turn_aware", 500).policy_state)
+    path = tmp_path / "turn_aware_state.json"
+    policy.save_state(path)
+    argv = ["replay", "--compare-policies", "lru,turn_aware", "--requests", "300", "--quiet"]
+    assert main([*argv, "--capacities", "0.05", "--policy-state", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"learning policies start from {path}" in out
+    other = TurnAwareCachePolicy(100, max_turn=3)
+    other.save_state(tmp_path / "three.json")
+    (tmp_path / "junk.json").write_text("{not json")
+    for bad, message in (
+        (tmp_path / "three.json", "does not suit policy 'turn_aware'"),
+        (tmp_path / "junk.json", "not a policy state file"),
+        (tmp_path, "is not a file"),
+    ):
+        assert main([*argv, "--policy-state", str(bad)]) == 2
+        got = capsys.readouterr()
+        assert message in got.err and str(bad) in got.err and got.out == ""
+    assert main(["replay", "--requests", "5", "--policy-state", str(path)]) == 2
+    assert "--policy-state: only meaningful with --compare-policies" in capsys.readouterr().err
