@@ -15,7 +15,7 @@ import pytest
 
 import kvcascade as kc
 from kvcascade._policy_state import policy_state_path
-from kvcascade.policies import TurnAwareCachePolicy
+from kvcascade.policies import AdaptiveCachePolicy, TurnAwareCachePolicy
 
 
 def _config(root: Path, policy: str = "turn_aware") -> kc.CascadeConfig:
@@ -83,6 +83,31 @@ async def test_learned_statistics_survive_a_restart(tmp_path: Path) -> None:
         grown = reloaded.state()
     assert grown["pooled"]["labels"] > learned["pooled"]["labels"]  # saved again at shutdown
     assert json.loads(path.read_text()) == grown
+
+
+async def test_adaptive_restarts_in_the_mode_it_stopped_in(tmp_path: Path) -> None:
+    """The default policy (``adaptive``) saves its mode and the shadows' evidence with its
+    statistics at shutdown; a cascade reopened on the same fs root starts in that mode (here
+    turn-aware, as after a switch) instead of LRU mode, on the same evidence."""
+    async with kc.open_cascade(_config(tmp_path, "adaptive")) as cascade:
+        policy = cascade.primary.policy
+        assert isinstance(policy, AdaptiveCachePolicy) and policy.lru_mode
+        await _converse(cascade)
+        policy.lru_mode, policy._lead, policy._square = False, 7.0, 20.0  # as after a switch
+        learned = policy.state()
+    assert json.loads(_state_file(tmp_path).read_text())["adaptive"] == {
+        "lru_mode": False,
+        "lead": 7.0,
+        "square": 20.0,
+    }
+    async with kc.open_cascade(_config(tmp_path, "adaptive")) as again:
+        reloaded = again.primary.policy
+        assert isinstance(reloaded, AdaptiveCachePolicy)
+        assert not reloaded.lru_mode and reloaded.state() == learned
+        await _converse(again, conversations=2, turns=2)  # serves in turn-aware mode
+    async with kc.open_cascade(_config(tmp_path, "turn_aware")) as plain:
+        # the same file for turn_aware: its statistics, the mode ignored
+        assert plain.primary.policy.class_table() == reloaded.class_table()
 
 
 @pytest.mark.parametrize(
