@@ -69,6 +69,7 @@ from .turn_aware import (
     _Counts,
     _Entry,
     _expired,
+    _finite,
     _prompt_ends,
     _Request,
 )
@@ -322,8 +323,8 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
     def state(self) -> dict[str, Any]:
         """:meth:`TurnAwareCachePolicy.state` and the mode with its evidence: ``"adaptive":
         {"lru_mode", "lead", "square"}`` (the decayed ``L`` and ``Q``). A cache restarted from
-        it goes on from the mode it stopped in, judged on the same evidence
-        (docs/policies.md, *State across restarts*)."""
+        it goes on in the mode it stopped in: in turn-aware mode judged on the same evidence,
+        in LRU mode on fresh evidence (docs/policies.md, *State across restarts*)."""
         state = super().state()
         state["adaptive"] = {
             "lru_mode": self.lru_mode,
@@ -333,27 +334,30 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
         return state
 
     def set_state(self, state: Any, source: str = "state") -> None:
-        """:meth:`TurnAwareCachePolicy.set_state`, and the mode and evidence saved with it; a
-        state without them (saved by ``turn_aware``) leaves them as they are.
+        """:meth:`TurnAwareCachePolicy.set_state`, and the mode saved with it — with its evidence
+        in turn-aware mode, without (``L = Q = 0``) in LRU mode; a state without a mode (saved
+        by ``turn_aware``) leaves mode and evidence as they are.
 
         Raises:
             ValueError: as :meth:`TurnAwareCachePolicy.set_state`, or ``"adaptive"`` is not
                 ``{"lru_mode": bool, "lead": number, "square": number >= 0}``; nothing changes
                 then.
         """
-        saved = state.get("adaptive") if isinstance(state, dict) else None
-        if saved is not None:
+        mode: tuple[bool, float, float] | None = None
+        if isinstance(state, dict) and "adaptive" in state:
+            saved = state["adaptive"]
             ok = isinstance(saved, dict) and type(saved.get("lru_mode")) is bool
-            for name in ("lead", "square"):
-                value = saved.get(name) if ok else None
-                ok = ok and type(value) in (int, float) and math.isfinite(value)
-            if not ok or saved["square"] < 0:
-                raise ValueError(f"{source}: malformed policy state (adaptive {saved!r})")
+            lead = _finite(saved.get("lead")) if ok else None
+            square = _finite(saved.get("square")) if ok else None
+            if lead is None or square is None or square < 0:
+                raise ValueError(f"{source}: malformed policy state (adaptive {saved!r:.80})")
+            mode = (saved["lru_mode"], lead, square)
         super().set_state(state, source)
-        if saved is not None:
-            self.lru_mode = saved["lru_mode"]
-            self._lead = float(saved["lead"])
-            self._square = float(saved["square"])
+        if mode is not None:
+            # LRU mode starts its evidence afresh: yesterday's variance would hold back a
+            # switch that today's traffic earns (docs/policies.md, *State across restarts*)
+            self.lru_mode = mode[0]
+            self._lead, self._square = (0.0, 0.0) if mode[0] else mode[1:]
 
     def clear(self) -> None:
         super().clear()

@@ -123,6 +123,18 @@ class _Entry:
     __slots__ = ("block", "children", "cls", "deadline", "depth", "parent", "tick", "token", "up")
 
 
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float if it is a JSON number (not a bool), else None (NaN,
+    infinities, integers beyond a float's range)."""
+    if type(value) not in (int, float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _expired(entry: _Entry, now_s: float | None) -> bool:
     """Whether ``entry`` is past its hint's ``ttl_s`` at wall time ``now_s`` (seconds)."""
     return entry.deadline is not None and now_s is not None and now_s > entry.deadline
@@ -778,27 +790,29 @@ class TurnAwareCachePolicy(CachePolicy):
         """
 
         def counts(value: Any) -> float:
-            # JSON numbers only: not a bool, a numeric string, NaN or a negative count
-            if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"bad count {value!r}")
-            return float(value)
+            # JSON numbers only: not a bool, a numeric string, NaN, a negative count or an
+            # integer beyond a float (10**400: OverflowError)
+            number = _finite(value)
+            if number is None or number < 0:
+                raise ValueError(f"bad count {value!r:.40}")
+            return number
 
         def rows(items: Any, width: int) -> list[tuple[tuple[int, ...], float, float]]:
             out = []
             seen = set()
             for item in items:
                 if not isinstance(item, list) or len(item) != width + 2:
-                    raise ValueError(f"bad row {item!r}")
+                    raise ValueError(f"bad row {item!r:.80}")
                 key = tuple(item[:width])
                 if any(type(v) is not int for v in key):  # not 1.5 (truncated), not true
-                    raise ValueError(f"bad row {item!r}: its key must be integers")
+                    raise ValueError(f"bad row {item!r:.80}: its key must be integers")
                 hint, prio, turn = key[:3]
                 if not (0 <= hint <= 2 and abs(prio) <= MAX_PRIORITY and 1 <= turn <= max_turn):
-                    raise ValueError(f"row {item!r} out of range")
+                    raise ValueError(f"row {item!r:.80} out of range")
                 if width == 4 and not 0 <= key[3] <= 8:
-                    raise ValueError(f"row {item!r} out of range")
+                    raise ValueError(f"row {item!r:.80} out of range")
                 if key in seen:
-                    raise ValueError(f"row {item!r} repeats its key")
+                    raise ValueError(f"row {item!r:.80} repeats its key")
                 seen.add(key)
                 out.append((key, counts(item[width]), counts(item[width + 1])))
             return out
@@ -866,6 +880,6 @@ class TurnAwareCachePolicy(CachePolicy):
             raw = handle.read()
         try:
             state = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        except (ValueError, RecursionError) as exc:  # also an integer of > 4 300 digits
             raise ValueError(f"{os.fspath(path)}: not a policy state file ({exc})") from exc
         self.set_state(state, os.fspath(path))

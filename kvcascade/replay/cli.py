@@ -562,6 +562,7 @@ def _compare(args: argparse.Namespace) -> int:
                 "hits": run.hits,
                 "instances": run.instances,
                 "hit_ratio": run.hit_ratio,
+                "policy_state": args.policy_state,
             }
             for (name, fraction), run in result.runs.items()
         ]
@@ -569,18 +570,27 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_policy_state(path: str) -> Any:
-    """The JSON of ``--policy-state PATH`` (checked by the policies, in ``compare``).
+def _read_policy_state(path: str) -> dict[str, Any]:
+    """The JSON object of ``--policy-state PATH`` (its contents are checked by the policies,
+    in ``compare``).
 
     Raises:
-        ConfigError: not a file of JSON (unreadable: OSError, which names the path).
+        ConfigError: no regular file, unreadable, or not a JSON object; naming the path.
     """
     if not os.path.isfile(path):  # a FIFO or a directory: refused before it blocks or fails
         raise ConfigError(f"--policy-state {path!r} is not a file")
     try:
-        return json.loads(Path(path).read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        state = json.loads(Path(path).read_bytes())
+    except OSError as exc:
+        raise ConfigError(f"--policy-state {path!r}: {exc.strerror or exc}") from None
+    except (ValueError, RecursionError) as exc:  # also an integer of > 4 300 digits
         raise ConfigError(f"--policy-state {path!r}: not a policy state file ({exc})") from None
+    if not isinstance(state, dict):
+        raise ConfigError(
+            f"--policy-state {path!r}: not a policy state file (a JSON object, not "
+            f"{type(state).__name__})"
+        )
+    return state
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -31,7 +31,7 @@ listed block is complete and stored); the free rules are options of this mode on
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,7 +112,7 @@ def simulate(
     free_rules: bool = True,
     hints: Sequence[SessionHint | None] | None = None,
     progress: Callable[[int], None] | None = None,
-    policy_state: Mapping[str, Any] | None = None,
+    policy_state: dict[str, Any] | None = None,
 ) -> PolicyRun:
     """Run ``trace`` through a :class:`CPUOffloadingManager` of ``capacity`` blocks.
 
@@ -245,7 +245,7 @@ def compare(
     hints: str = "none",
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
-    policy_state: Mapping[str, Any] | None = None,
+    policy_state: dict[str, Any] | None = None,
     warm_from: str | None = None,
 ) -> Comparison:
     """Simulate every policy at every capacity fraction, plus OPT (see :func:`simulate`).
@@ -253,13 +253,13 @@ def compare(
     Hints (``none`` or ``oracle[:noise]``, :func:`oracle_hints`) go to every policy; OPT needs
     none. ``policy_state`` (``warm_from`` names its source in the table's title) is where every
     policy that learns starts (:func:`simulate`); it is checked against each of them before any
-    run.
+    run, and at least one of ``policies`` must learn.
 
     Raises:
         ValueError: a fraction outside ``(0, 1]`` or of 0 blocks, a policy or fraction given
-            twice (its column or row would be printed twice), a bad ``hints`` spec, or a
+            twice (its column or row would be printed twice), a bad ``hints`` spec, a
             ``policy_state`` a learning policy refuses (malformed, another version or
-            ``max_turn``).
+            ``max_turn``) or one that no policy of ``policies`` learns from.
         ConfigError: an unknown policy.
     """
     for what, values in (("policy", policies), ("capacity fraction", fractions)):
@@ -270,15 +270,22 @@ def compare(
             seen.add(value)
     use_hints, noise = parse_hints(hints)
     if policy_state is not None:
+        source = repr(warm_from) if warm_from else "policy_state"
+        learners = 0
         for name in policies:
             probe = CPUOffloadingManager(1, name).policy
             if not keeps_state(probe):
                 continue
+            learners += 1
             try:
                 probe.set_state(policy_state)  # type: ignore[attr-defined]
             except ValueError as exc:
-                source = warm_from or "policy_state"
                 raise ValueError(f"{source} does not suit policy {name!r}: {exc}") from exc
+        if not learners:
+            raise ValueError(
+                f"{source}: none of the policies {', '.join(policies)} learns, so none would "
+                "start from it (turn_aware and adaptive do)"
+            )
     request_hints = oracle_hints(trace, noise, seed) if use_hints else None
     unique = unique_blocks(trace)
     capacities = []
@@ -313,7 +320,7 @@ def format_comparison(result: Comparison) -> str:
     lines = [
         f"kvcascade replay --compare-policies (prefix-level hit ratio; free rules "
         f"{'on' if result.free_rules else 'off'}; hints {result.hints}"
-        + (f"; learning policies start from {result.warm_from}" if result.warm_from else "")
+        + (f"; learning policies start from {result.warm_from!r}" if result.warm_from else "")
         + ")",
         header,
         "-" * len(header),

@@ -807,9 +807,10 @@ def test_a_ttl_counts_from_the_requests_last_use() -> None:
 
 
 def test_adaptive_state_carries_its_mode_and_evidence(tmp_path: Path) -> None:
-    """A restarted adaptive cache goes on in the mode it stopped in, on the same evidence
-    (``L``, ``Q``); a ``turn_aware`` state (no mode) leaves the mode alone; a malformed mode is
-    refused and changes nothing, statistics included."""
+    """A restarted adaptive cache goes on in the mode it stopped in: turn-aware mode on the same
+    evidence (``L``, ``Q``), LRU mode on fresh evidence; a ``turn_aware`` state (no mode) leaves the mode alone; a malformed mode
+    (``null`` too: it is not "no mode") is refused with a ValueError and changes nothing,
+    statistics included; so is a count beyond a float (10**400 raised OverflowError)."""
     policy = AdaptiveCachePolicy(64)
     policy.set_state(_state(80.0, 10.0))
     policy.lru_mode, policy._lead, policy._square = False, 12.5, 40.0
@@ -829,12 +830,23 @@ def test_adaptive_state_carries_its_mode_and_evidence(tmp_path: Path) -> None:
         {"lru_mode": True, "lead": float("nan"), "square": 0.0},
         {"lru_mode": True, "lead": 0.0, "square": -1.0},
         {"lru_mode": True, "lead": 0.0},
+        {"lru_mode": True, "lead": 10**400, "square": 0.0},  # beyond a float
         [True, 0.0, 0.0],
+        None,
     ):
         state = {**_state(1.0, 1.0), "adaptive": bad}
         with pytest.raises(ValueError, match="malformed policy state"):
             fresh.set_state(state)
         assert not fresh.lru_mode and fresh._lead == 12.5 and fresh.class_table() == before
+    state = _state(1.0, 1.0)
+    state["classes"][0][4] = 10**400
+    with pytest.raises(ValueError, match="bad count 1000"):
+        fresh.set_state(state)
+    assert fresh.class_table() == before
+    # LRU mode restarts on fresh evidence: the saved variance would hold back a switch
+    lru_state = {**_state(1.0, 1.0), "adaptive": {"lru_mode": True, "lead": 3.0, "square": 9.0}}
+    fresh.set_state(lru_state)
+    assert fresh.lru_mode and (fresh._lead, fresh._square) == (0.0, 0.0)
     # turn_aware reads an adaptive state's statistics and ignores the mode
     plain = TurnAwareCachePolicy(64)
     plain.load_state(path)

@@ -4,6 +4,7 @@ simulation on a trace slice, oracle hints, and the CLI."""
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from collections import OrderedDict
 
@@ -235,17 +236,30 @@ def test_cli_compare_from_a_saved_state(
     argv = ["replay", "--compare-policies", "lru,turn_aware", "--requests", "300", "--quiet"]
     assert main([*argv, "--capacities", "0.05", "--policy-state", str(path)]) == 0
     out = capsys.readouterr().out
-    assert f"learning policies start from {path}" in out
+    assert f"learning policies start from {str(path)!r}" in out
     other = TurnAwareCachePolicy(100, max_turn=3)
     other.save_state(tmp_path / "three.json")
     (tmp_path / "junk.json").write_text("{not json")
+    (tmp_path / "null.json").write_text("null")
+    (tmp_path / "digits.json").write_text('{"version": ' + "1" * 5000 + "}")
+    huge = json.loads(path.read_text())
+    huge["classes"][0][4] = 10**400  # a count beyond a float
+    (tmp_path / "huge.json").write_text(json.dumps(huge))
     for bad, message in (
         (tmp_path / "three.json", "does not suit policy 'turn_aware'"),
         (tmp_path / "junk.json", "not a policy state file"),
+        (tmp_path / "null.json", "not a policy state file (a JSON object, not NoneType)"),
+        (tmp_path / "digits.json", "not a policy state file"),
+        (tmp_path / "huge.json", "does not suit policy 'turn_aware'"),
         (tmp_path, "is not a file"),
     ):
         assert main([*argv, "--policy-state", str(bad)]) == 2
         got = capsys.readouterr()
-        assert message in got.err and str(bad) in got.err and got.out == ""
+        assert message in got.err and repr(str(bad)) in got.err and got.out == ""
+        assert got.err.count("\n") == 1  # one line, no traceback
+    # a state no listed policy learns from: refused, not silently ignored
+    lru_only = ["replay", "--compare-policies", "lru,arc", "--requests", "30", "--quiet"]
+    assert main([*lru_only, "--policy-state", str(path)]) == 2
+    assert "none of the policies lru, arc learns" in capsys.readouterr().err
     assert main(["replay", "--requests", "5", "--policy-state", str(path)]) == 2
     assert "--policy-state: only meaningful with --compare-policies" in capsys.readouterr().err
