@@ -808,9 +808,10 @@ def test_a_ttl_counts_from_the_requests_last_use() -> None:
 
 def test_adaptive_state_carries_its_mode_and_evidence(tmp_path: Path) -> None:
     """A restarted adaptive cache goes on in the mode it stopped in: turn-aware mode on the same
-    evidence (``L``, ``Q``), LRU mode on fresh evidence; a ``turn_aware`` state (no mode) leaves the mode alone; a malformed mode
-    (``null`` too: it is not "no mode") is refused with a ValueError and changes nothing,
-    statistics included; so is a count beyond a float (10**400 raised OverflowError)."""
+    evidence (``L``, ``Q``), LRU mode on fresh evidence; a ``turn_aware`` state (no mode)
+    leaves the mode alone; a malformed mode (``null`` too: it is not "no mode") is refused
+    with a ValueError and changes nothing, statistics included; so is a count beyond a float
+    (10**400 raised OverflowError)."""
     policy = AdaptiveCachePolicy(64)
     policy.set_state(_state(80.0, 10.0))
     policy.lru_mode, policy._lead, policy._square = False, 12.5, 40.0
