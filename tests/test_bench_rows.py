@@ -74,3 +74,26 @@ def test_a_benchmark_writes_its_rows(tmp_path: Path) -> None:
     for row in doc["rows"]:
         assert row["ratio"] == pytest.approx(row["measured"] / row["baseline"])
         assert row["goal"] == "<= 2.0" and row["unit"] == "us/key"
+
+
+def test_the_warm_start_benchmark_writes_its_rows(tmp_path: Path) -> None:
+    """``policy_warm_start.py`` on a small slice: its two rows per policy and capacity (each
+    half warm against cold) agree with the printed table; a policy that keeps no state is a
+    usage error (exit 2), not a table of warm figures equal to cold ones."""
+    out = tmp_path / "policy_warm_start.json"
+    env = dict(os.environ, PYTHONPATH=str(BENCH.parent))
+    cmd = [sys.executable, str(BENCH / "policy_warm_start.py"), "--requests", "400"]
+    cmd += ["--capacities", "0.05", "--policies", "turn_aware", "--json", str(out)]
+    done = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True, timeout=300)
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "policy_warm_start"
+    names = [r["name"] for r in doc["rows"]]
+    assert names == ["turn_aware 0.05 warm/cold 1st half", "turn_aware 0.05 warm/cold 2nd half"]
+    table = {line[:20].strip(): float(line.split()[-1]) for line in done.stdout.splitlines()[2:]}
+    for row, half in zip(doc["rows"], ("1st", "2nd")):
+        assert row["measured"] == pytest.approx(table[f"warm {half}"], abs=5e-5)
+        assert row["baseline"] == pytest.approx(table[f"cold {half}"], abs=5e-5)
+        assert row["goal"] == ">= 1.0" and row["unit"] == "hit ratio"
+    assert table["cold, its 1st half"] == table["cold 1st"]  # the same decisions
+    bad = subprocess.run([*cmd[:2], "--policies", "lru"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "policy 'lru' keeps no learned state" in bad.stderr
