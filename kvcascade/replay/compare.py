@@ -188,8 +188,10 @@ def simulate(
 
 
 def keeps_state(policy: object) -> bool:
-    """Whether ``policy`` has learned statistics to hand over: ``state()`` / ``set_state()``
-    (``turn_aware``, ``adaptive``)."""
+    """Whether ``policy`` has learned statistics to hand over as a dict: ``state()`` /
+    ``set_state()`` (``turn_aware``, ``adaptive``). The lifecycle needs the file half of the
+    same contract, ``save_state`` / ``load_state`` (``kvcascade._policy_state.supports_state``).
+    """
     return callable(getattr(policy, "state", None)) and callable(getattr(policy, "set_state", None))
 
 
