@@ -94,6 +94,8 @@ def test_the_warm_start_benchmark_writes_its_rows(tmp_path: Path) -> None:
         assert row["measured"] == pytest.approx(table[f"warm {half}"], abs=5e-5)
         assert row["baseline"] == pytest.approx(table[f"cold {half}"], abs=5e-5)
         assert row["goal"] == ">= 1.0" and row["unit"] == "hit ratio"
-    assert table["cold, its 1st half"] == table["cold 1st"]  # the same decisions
+    # the whole cold run's ratio lies between its halves' (cold 1st and its 2nd half)
+    low, high = sorted((table["cold 1st"], table["cold, its 2nd half"]))
+    assert low - 5e-5 <= table["cold"] <= high + 5e-5
     bad = subprocess.run([*cmd[:2], "--policies", "lru"], env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "policy 'lru' keeps no learned state" in bad.stderr
