@@ -19,7 +19,6 @@ is logged and the shutdown goes on. Policies without ``save_state``/``load_state
 from __future__ import annotations
 
 import logging
-import stat
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -65,8 +64,6 @@ def load_policy_state(policy: CachePolicy, path: Path) -> bool:
     is logged as a warning and returns False — the policy then starts fresh. Never raises.
     """
     try:
-        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO would block the open forever
-            raise ValueError("not a regular file")
         policy.load_state(path)  # type: ignore[attr-defined]
     except FileNotFoundError:
         return False

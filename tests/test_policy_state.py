@@ -16,6 +16,7 @@ import pytest
 import kvcascade as kc
 from kvcascade._policy_state import policy_state_path
 from kvcascade.policies import AdaptiveCachePolicy, TurnAwareCachePolicy
+from kvcascade.policies.turn_aware import MAX_STATE_BYTES
 
 
 def _config(root: Path, policy: str = "turn_aware") -> kc.CascadeConfig:
@@ -117,8 +118,9 @@ async def test_adaptive_restarts_in_the_mode_it_stopped_in(tmp_path: Path) -> No
         b"\xff\xfe garbage",
         json.dumps({"version": 1, "classes": []}).encode(),  # the old format
         json.dumps({"version": 2, "max_turn": 99, "classes": []}).encode(),
+        b" " * MAX_STATE_BYTES + b"{}",  # JSON, but no state is that big: not read whole
     ],
-    ids=["truncated", "binary", "old-version", "other-max-turn"],
+    ids=["truncated", "binary", "old-version", "other-max-turn", "oversized"],
 )
 async def test_corrupt_or_incompatible_state_starts_fresh_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, content: bytes

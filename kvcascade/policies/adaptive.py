@@ -333,7 +333,7 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
         }
         return state
 
-    def set_state(self, state: Any, source: str = "state") -> None:
+    def set_state(self, state: Any) -> None:
         """:meth:`TurnAwareCachePolicy.set_state`, and the mode saved with it — with its evidence
         in turn-aware mode, without (``L = Q = 0``) in LRU mode; a state without a mode (saved
         by ``turn_aware``) leaves mode and evidence as they are.
@@ -350,9 +350,9 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
             lead = _finite(saved.get("lead")) if ok else None
             square = _finite(saved.get("square")) if ok else None
             if lead is None or square is None or square < 0:
-                raise ValueError(f"{source}: malformed policy state (adaptive {saved!r:.80})")
+                raise ValueError(f"malformed policy state (adaptive {saved!r:.80})")
             mode = (saved["lru_mode"], lead, square)
-        super().set_state(state, source)
+        super().set_state(state)
         if mode is not None:
             # LRU mode starts its evidence afresh: yesterday's variance would hold back a
             # switch that today's traffic earns (docs/policies.md, *State across restarts*)

@@ -55,6 +55,7 @@ import heapq
 import json
 import math
 import os
+import stat
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -73,6 +74,8 @@ _PRIOR = 20.0
 _EXPIRED = -1.0 - 2 * MAX_PRIORITY
 #: Format version of :meth:`TurnAwareCachePolicy.save_state` files.
 _STATE_VERSION = 2
+#: Largest state file :func:`read_state_file` reads (bytes); a state of every class is 41 KiB.
+MAX_STATE_BYTES = 1 << 20
 
 #: A heap item's order is ``tick << _ORDER_SHIFT`` minus the depth: (tick, -depth) in one int, for
 #: depths below 2**32.
@@ -133,6 +136,37 @@ def _finite(value: Any) -> float | None:
     except OverflowError:
         return None
     return number if math.isfinite(number) else None
+
+
+def read_state_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON object of a policy state file (:meth:`TurnAwareCachePolicy.save_state`); its
+    contents are checked by :meth:`TurnAwareCachePolicy.set_state`.
+
+    The file is opened non-blocking and checked on the open descriptor to be a regular file
+    (a FIFO or a device would block the read), then at most :data:`MAX_STATE_BYTES` are read.
+
+    Raises:
+        OSError: the file cannot be opened or read.
+        ValueError: not a regular file, larger than :data:`MAX_STATE_BYTES`, not JSON (also an
+            integer of more than 4 300 digits) or not a JSON object.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        with open(fd, "rb", closefd=False) as handle:
+            raw = handle.read(MAX_STATE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_STATE_BYTES:
+        raise ValueError(f"not a policy state file (larger than {MAX_STATE_BYTES:,} bytes)")
+    try:
+        state = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"not a policy state file ({exc})") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"not a policy state file (a JSON object, not {type(state).__name__})")
+    return state
 
 
 def _expired(entry: _Entry, now_s: float | None) -> bool:
@@ -779,7 +813,7 @@ class TurnAwareCachePolicy(CachePolicy):
             },
         }
 
-    def set_state(self, state: Any, source: str = "state") -> None:
+    def set_state(self, state: Any) -> None:
         """Replace the learned statistics with ``state`` (as returned by :meth:`state`).
 
         Resident blocks and the directory are kept.
@@ -839,7 +873,7 @@ class TurnAwareCachePolicy(CachePolicy):
             if not math.isfinite(sum(histogram)):  # each finite, their total not: NaN shapes
                 raise ValueError("histogram total overflows")
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{source}: malformed policy state ({exc})") from exc
+            raise ValueError(f"malformed policy state ({exc})") from exc
         for stats in self._classes:
             stats.labels = stats.reads = 0.0
         for group in self._groups.values():
@@ -870,16 +904,15 @@ class TurnAwareCachePolicy(CachePolicy):
         replace_file(path, json.dumps(self.state()).encode(), fsync=True)
 
     def load_state(self, path: str | os.PathLike[str]) -> None:
-        """Replace the learned statistics with those saved by :meth:`save_state`.
+        """Replace the learned statistics with those saved by :meth:`save_state`
+        (:func:`read_state_file`, then :meth:`set_state`).
 
         Raises:
             OSError: the file cannot be read.
-            ValueError: not a state file of this version and ``max_turn`` (nothing changes).
+            ValueError: not a state file of this version and ``max_turn``, naming ``path``
+                (nothing changes).
         """
-        with open(path, "rb") as handle:
-            raw = handle.read()
         try:
-            state = json.loads(raw)
-        except (ValueError, RecursionError) as exc:  # also an integer of > 4 300 digits
-            raise ValueError(f"{os.fspath(path)}: not a policy state file ({exc})") from exc
-        self.set_state(state, os.fspath(path))
+            self.set_state(read_state_file(path))
+        except ValueError as exc:
+            raise ValueError(f"{os.fspath(path)}: {exc}") from None

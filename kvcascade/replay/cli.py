@@ -571,26 +571,21 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _read_policy_state(path: str) -> dict[str, Any]:
-    """The JSON object of ``--policy-state PATH`` (its contents are checked by the policies,
-    in ``compare``).
+    """The JSON object of ``--policy-state PATH`` (:func:`kvcascade.policies.turn_aware.
+    read_state_file`; its contents are checked by the policies, in ``compare``).
 
     Raises:
-        ConfigError: no regular file, unreadable, or not a JSON object; naming the path.
+        ConfigError: no regular file, unreadable, too large or not a JSON object; naming the
+            path.
     """
-    if not os.path.isfile(path):  # a FIFO or a directory: refused before it blocks or fails
-        raise ConfigError(f"--policy-state {path!r} is not a file")
+    from ..policies.turn_aware import read_state_file
+
     try:
-        state = json.loads(Path(path).read_bytes())
+        return read_state_file(path)
     except OSError as exc:
         raise ConfigError(f"--policy-state {path!r}: {exc.strerror or exc}") from None
-    except (ValueError, RecursionError) as exc:  # also an integer of > 4 300 digits
-        raise ConfigError(f"--policy-state {path!r}: not a policy state file ({exc})") from None
-    if not isinstance(state, dict):
-        raise ConfigError(
-            f"--policy-state {path!r}: not a policy state file (a JSON object, not "
-            f"{type(state).__name__})"
-        )
-    return state
+    except ValueError as exc:
+        raise ConfigError(f"--policy-state {path!r}: {exc}") from None
 
 
 def _calibrate(args: argparse.Namespace) -> int:

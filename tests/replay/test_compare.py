@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
 from collections import OrderedDict
 
@@ -228,6 +229,7 @@ def test_cli_compare_from_a_saved_state(
     at all is refused before any simulation, naming it; without --compare-policies it is
     refused too."""
     from kvcascade.policies import TurnAwareCachePolicy
+    from kvcascade.policies.turn_aware import MAX_STATE_BYTES
 
     policy = TurnAwareCachePolicy(100)
     policy.set_state(simulate(trace_slice[:500], "turn_aware", 500).policy_state)
@@ -245,17 +247,22 @@ def test_cli_compare_from_a_saved_state(
     huge = json.loads(path.read_text())
     huge["classes"][0][4] = 10**400  # a count beyond a float
     (tmp_path / "huge.json").write_text(json.dumps(huge))
+    (tmp_path / "big.json").write_text(" " * MAX_STATE_BYTES + "{}")  # valid JSON, too big
+    os.mkfifo(tmp_path / "fifo")  # would block a plain read forever
     for bad, message in (
         (tmp_path / "three.json", "does not suit policy 'turn_aware'"),
         (tmp_path / "junk.json", "not a policy state file"),
         (tmp_path / "null.json", "not a policy state file (a JSON object, not NoneType)"),
         (tmp_path / "digits.json", "not a policy state file"),
         (tmp_path / "huge.json", "does not suit policy 'turn_aware'"),
-        (tmp_path, "is not a file"),
+        (tmp_path / "big.json", "not a policy state file (larger than 1,048,576 bytes)"),
+        (tmp_path / "fifo", "not a regular file"),
+        (tmp_path, "not a regular file"),
     ):
         assert main([*argv, "--policy-state", str(bad)]) == 2
         got = capsys.readouterr()
         assert message in got.err and repr(str(bad)) in got.err and got.out == ""
+        assert "state: " not in got.err  # the path names the source, once
         assert got.err.count("\n") == 1  # one line, no traceback
     # a state no listed policy learns from: refused, not silently ignored
     lru_only = ["replay", "--compare-policies", "lru,arc", "--requests", "30", "--quiet"]
