@@ -44,6 +44,10 @@ from kvcascade.replay.trace import TOKENS_PER_BLOCK, TraceRequest, bundled_trace
 
 #: Block ids of generated traces start here (above every id of the bundled trace).
 _FRESH = 1 << 40
+#: Complete blocks a generated prompt may hold: a 128 k-token context window (131 072 tokens)
+#: less the partial last block. The bundled trace's longest prompt is 241 blocks; a serving
+#: engine refuses a longer prompt than its window (vLLM: ``max_model_len``).
+_WINDOW_BLOCKS = 128 * 1024 // TOKENS_PER_BLOCK - 1
 
 
 @dataclass
@@ -136,21 +140,27 @@ def _chats(
     """Multi-turn conversations until ``n`` requests: Poisson starts at ``rate_per_s``, turn
     ``t`` followed by another with ``continue_p(t)``, exponential think times of mean
     ``think_s``; a prompt is a shared system prompt, the conversation's context (``first()``
-    blocks, then ``growth()`` more per turn) and a partial block (:func:`_prompt`)."""
+    blocks, then ``growth()`` more per turn) and a partial block (:func:`_prompt`). A prompt
+    holds at most ``_WINDOW_BLOCKS`` complete blocks: a first context is cut to that, and a
+    conversation whose next context would exceed it ends (the engine would refuse that turn)."""
     items: list[tuple[float, int, tuple[int, ...]]] = []
     t = t0_ms
     while len(items) < n:
         t += rng.expovariate(rate_per_s) * 1000.0
-        context = system() + ids.take(max(1, first()))
+        prefix = system()
+        context = prefix + ids.take(max(1, min(first(), _WINDOW_BLOCKS - len(prefix))))
         when = t
         turn = 1
         while len(items) < n:
             items.append((when, *_prompt(rng, context, ids)))
             if rng.random() >= continue_p(turn):
                 break
-            turn += 1
             when += rng.expovariate(1.0 / think_s) * 1000.0
-            context = context + ids.take(max(1, growth()))
+            grown = max(1, growth())
+            if len(context) + grown > _WINDOW_BLOCKS:
+                break
+            turn += 1
+            context = context + ids.take(grown)
     return items
 
 

@@ -61,6 +61,17 @@ def test_chained_ids_mean_equal_prefixes(traces: dict[str, list]) -> None:
                 assert prefix_of.setdefault(h, r.hash_ids[:i]) == r.hash_ids[:i], name
 
 
+def test_generated_prompts_fit_a_128k_context_window() -> None:
+    """Pareto-grown contexts end at the window (seed 7 reaches it: uncapped, its longest
+    ``turns_decreasing`` prompt was 428 blocks at 2 000 requests); the trace keeps its length."""
+    window = 128 * 1024 // TOKENS_PER_BLOCK  # blocks, the partial last one included
+    traces = policy_suite.build_traces(N, seed=7)
+    longest = {name: max(len(r.hash_ids) for r in trace) for name, trace in traces.items()}
+    assert longest["turns_decreasing"] == window
+    assert max(longest.values()) <= window
+    assert len(traces["turns_decreasing"]) == N
+
+
 def test_conversations_follow_turns() -> None:
     from kvcascade.replay.trace import TraceRequest
 
