@@ -29,12 +29,13 @@ directory, statistics and clock, so it costs no learning of its own).
   ``window_factor`` turnover times of the shadow LRU (before that, ``Q`` of a few small
   differences understates the variance of a heavy-tailed workload: one long conversation can
   turn a 2σ lead into a loss; ``benchmarks/policy_suite.py --seed 1``'s ``turns_decreasing``
-  10 % fell 0.010 below LRU without this rule) — and back when its lead falls below an eighth of
-  that, ``L < confidence / 8 × √Q`` (the hysteresis keeps a lead near the threshold from
-  flapping the mode: each switch costs the hits of a cache turning over to the other mode's
-  contents). LRU is what the never-below rule of issue #19 compares with, hence the bias towards
-  it. No hit is spent on finding out: the real cache never tries a mode the shadows have not
-  shown to win.
+  10 % fell 0.010 below LRU without this rule, before the suite had a context window) — and
+  back when its lead falls below an eighth of that, ``L < confidence / 8 × √Q`` (the
+  hysteresis keeps a lead near the threshold from flapping the mode: each switch costs the hits
+  of a cache turning over to the other mode's contents). LRU is what the never-below rule of
+  issue #19 compares with, hence the bias towards it (``confidence`` 2.5: docs/policies.md,
+  *The context window*). No hit is spent on finding out: the real cache never tries a mode the
+  shadows have not shown to win.
 
 Hints: the shadow turn-aware cache and turn-aware mode use them as ``turn_aware`` does (the
 class carries them); LRU mode admits as LRU does with hints (a request whose session will not
@@ -218,7 +219,7 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
         max_sampling: at most this sampling divisor ``k`` (≥ 1; default 32).
         window_factor: the comparison window in turnover times ``H`` (> 0; default 4).
         confidence: standard deviations the turn-aware shadow must lead by before the real
-            cache follows it (≥ 0; default 2.25); it goes back to LRU below an eighth of that.
+            cache follows it (≥ 0; default 2.5); it goes back to LRU below an eighth of that.
         **kwargs: the :class:`TurnAwareCachePolicy` parameters (``admission_margin``, …).
 
     Attributes:
@@ -236,7 +237,7 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
         shadow_blocks: int = 4096,
         max_sampling: int = 32,
         window_factor: float = 4.0,
-        confidence: float = 2.25,
+        confidence: float = 2.5,
         **kwargs: object,
     ) -> None:
         if not shadow_blocks >= 1:

@@ -1,8 +1,8 @@
 """The robustness suite (issue #19, ``benchmarks/policy_suite.py``) at a small size: its traces
 are well-formed and seeded; at 5 % and 20 % the adaptive policy is never below ``max(lru,
-arc)`` by more than 0.002 on two of them — one where the turn-aware model holds (and the
-adaptive policy keeps part of its gain), one where it does not (docs/policies.md has the full
-table at 2 000 requests)."""
+arc)`` by more than 0.002 on two of them — one where the turn-aware model holds, one where it
+does not — and on the bundled trace's first 2 000 requests it keeps part of the turn-aware gain
+(docs/policies.md has the full table at 2 000 requests)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import policy_suite
 
 from kvcascade.replay.compare import compare
-from kvcascade.replay.trace import TOKENS_PER_BLOCK
+from kvcascade.replay.trace import TOKENS_PER_BLOCK, bundled_trace, read_trace
 
 N = 1000
 
@@ -103,4 +103,14 @@ def test_adaptive_is_never_below_lru_and_arc(
     if name == "turns_geometric":
         assert hit["turn_aware"] < best - 0.01
     elif fraction == 0.05:
-        assert hit["turn_aware"] > best + 0.01 and adaptive > best + 0.005
+        assert hit["turn_aware"] > best + 0.01
+
+
+def test_adaptive_keeps_part_of_the_turn_aware_gain() -> None:
+    """On the bundled trace's first 2 000 requests at 5 % the shadows' lead becomes significant
+    and the adaptive policy follows the turn-aware model (docs/policies.md: 0.0841 against
+    LRU's 0.0488); at 1 000 requests it is not significant yet, and the policy stays LRU."""
+    trace = read_trace(bundled_trace())[:2000]
+    result = compare(trace, ["lru", "arc", "adaptive"], [0.05])
+    hit = {p: result.runs[(p, 0.05)].hit_ratio for p in ("lru", "arc", "adaptive")}
+    assert hit["adaptive"] > max(hit["lru"], hit["arc"]) + 0.02
