@@ -701,6 +701,8 @@ class TurnAwareCachePolicy(CachePolicy):
         chain: bytes | None = None
         out: list[tuple[bytes, BlockStatus]] = []
         passed: list[tuple[int, tuple[int, int, bytes]]] = []  # protected heads
+        spare = self._spare
+        inline = ticks = 0  # victims forgotten inline, Σ of their last-read ticks
         while len(out) < n:
             if top is None:
                 # Only blocks with a resident (pinned or protected) child are left.
@@ -735,10 +737,22 @@ class TurnAwareCachePolicy(CachePolicy):
                     passed.append((idx, item))
                     key = None
             if key is not None:
-                self._forget(key, offer=False)
+                # _forget(key, offer=False), inline (once per victim): a victim is idle and
+                # of class ``idx``; its parent is chained or offered below
+                del blocks[key]
+                inline += 1
+                ticks += entry.tick
+                if entry.token >= 0:
+                    stats.live -= 1
+                    entry.token = -1
                 out.append((key, entry.block))
                 up = entry.parent
                 parent = None if up is None else blocks.get(up)
+                if parent is not None and parent is entry.up:
+                    parent.children -= 1
+                if not entry.children:  # no resident block names it as ``up``: reusable
+                    entry.up = None
+                    spare.append(entry)
                 # left a leaf by this eviction: idle, childless and in no heap (every other
                 # idle leaf is in one)
                 if (
@@ -778,6 +792,8 @@ class TurnAwareCachePolicy(CachePolicy):
                 top = heappop(heads) if heads else None
         for idx, item in passed:
             heappush(classes[idx].heap, item)
+        self._evictable -= inline
+        self._tick_sum -= ticks
         return out
 
     def clear(self) -> None:
