@@ -12,7 +12,9 @@ often. The policy therefore
    turn);
 2. on a request's first ``touch`` infers its turn (1 + turn of the deepest earlier prompt end
    among its keys) and its number of new blocks, and files all its blocks under the class
-   ``(hint, priority, turn, log2 new blocks)``;
+   ``(hint, priority, turn, log2 new blocks)`` — except the blocks a request hinted
+   ``continues=False`` read again, filed by whether another conversation read them last (a
+   session that ends says nothing of the prefix it shares);
 3. learns from every read of a key still in the directory — hit or miss — one sample of "time
    until read again" for the class the key had. Per class it keeps ``p``, the chance that a
    block is read again at all (re-reads / blocks filed), smoothed towards its turn's ``p`` and
@@ -42,7 +44,8 @@ no cached block is left without its parent unless only such blocks are evictable
 nothing distinguishes yet (cold start) tie, and ties go oldest first: an untrained policy is LRU.
 
 Cost: ``touch`` O(k log n) for k keys (heap pushes); ``evict(n)`` and :meth:`admits` O(K + n
-log n) with K the number of non-empty classes (at most ``3 × 7 × max_turn × 9``, a constant);
+log n) with K the number of non-empty classes (at most ``4 × 7 × max_turn × 9 + 7``, a
+constant);
 the pooled shape is recomputed (O(64)) at most once per such call after it learned something.
 Memory: one entry per slot, made when the policy is built and reused (≈ 100 B; none is
 allocated per insert, so the garbage collector has nothing new to scan), per resident block a
@@ -80,6 +83,12 @@ MAX_STATE_BYTES = 1 << 20
 #: A heap item's order is ``tick << _ORDER_SHIFT`` minus the depth: (tick, -depth) in one int, for
 #: depths below 2**32.
 _ORDER_SHIFT = 32
+
+#: The hint field of a class key: no ``continues`` hint; ``continues=True``; a block new to (or
+#: a root of) a request hinted ``continues=False``; a block such a request read again that
+#: its own conversation read last ("own prefix"); one that another conversation read last
+#: ("shared prefix", one class per priority: turn 1, new blocks 0).
+_NO_HINT, _CONTINUES, _ENDS, _ENDS_OWN, _ENDS_SHARED = range(5)
 
 ClassKey = tuple[int, int, int, int]
 
@@ -175,20 +184,28 @@ def _expired(entry: _Entry, now_s: float | None) -> bool:
 
 
 class _Request:
-    """Per-request scratch (kept on the ReqContext): the class of the request's blocks and
-    ``prev``, the prompt-end key of the earlier turn it continues (None: a first turn), for the
-    policy ``owner`` (a context read by another policy is classified there afresh: ``cls``
-    indexes the owner's classes)."""
+    """Per-request scratch (kept on the ReqContext): the class of the request's blocks,
+    ``prefix`` (the classes of its first ``len(prefix)`` blocks where they differ from ``cls``:
+    the known prefix of a request hinted ``continues=False``; else empty) and ``prev``, the
+    prompt-end key of the earlier turn it continues (None: a first turn), for the policy
+    ``owner`` (a context read by another policy is classified there afresh: ``cls`` indexes the
+    owner's classes)."""
 
-    __slots__ = ("cls", "deadline", "owner", "prev")
+    __slots__ = ("cls", "deadline", "owner", "prefix", "prev")
 
     def __init__(
-        self, cls: int, deadline: float | None, prev: bytes | None = None, owner: object = None
+        self,
+        cls: int,
+        deadline: float | None,
+        prev: bytes | None = None,
+        owner: object = None,
+        prefix: Sequence[int] = (),
     ) -> None:
         self.cls = cls
         self.deadline = deadline
         self.prev = prev
         self.owner = owner
+        self.prefix = prefix
 
 
 class _Counts:
@@ -236,7 +253,11 @@ class TurnAwareCachePolicy(CachePolicy):
     Hints (:class:`kvcascade.hints.SessionHint`, from the ``ctx`` of ``touch``): ``continues``
     and ``priority`` become part of the class, so the policy learns what a hint is worth (a
     wrong hint only dilutes its class); a higher ``priority`` outranks every lower one; blocks
-    past their ``ttl_s`` are worth nothing.
+    past their ``ttl_s`` are worth nothing. Of a request hinted ``continues=False`` only the new
+    blocks are filed under its class; the blocks it read again (its known prefix) go to an
+    *own-prefix* class (of its turn and new blocks) where its own conversation read them last,
+    to the *shared-prefix* class of its priority where another conversation did (a
+    conversation: a first turn and the turns that continue it; docs/policies.md, **Hints**).
 
     Raises:
         ValueError: a parameter out of range.
@@ -276,8 +297,9 @@ class TurnAwareCachePolicy(CachePolicy):
         self._blocks: dict[bytes, _Entry] = {}
         # Entries not in use (_Entry): one per slot, so that inserts allocate nothing.
         self._spare = [_Entry() for _ in range(cache_capacity)]
-        # key -> (class, tick of last read, prompt-end turn (0: none), parent key)
-        self._directory: OrderedDict[bytes, tuple[int, int, int, bytes | None]] = OrderedDict()
+        # key -> (class, tick of last read, prompt-end turn (0: none), parent key, conversation
+        # of the last read: the tick of its first turn's classification + 1)
+        self._directory: OrderedDict[bytes, tuple[int, int, int, bytes | None, int]] = OrderedDict()
         self._classes: list[_ClassStats] = []
         self._class_index: dict[ClassKey, int] = {}
         self._groups: dict[tuple[int, int, int], _Counts] = {}
@@ -367,7 +389,8 @@ class TurnAwareCachePolicy(CachePolicy):
             hint, prio, turn, nb = stats.key
             out.append(
                 {
-                    "continues": (None, True, False)[hint],
+                    "continues": (None, True, False, False, False)[hint],
+                    "prefix": (None, None, None, "own", "shared")[hint],
                     "priority": prio,
                     "turn": turn,
                     "new_blocks_log2": nb,
@@ -387,6 +410,7 @@ class TurnAwareCachePolicy(CachePolicy):
         turn = 1
         known = 0
         matched = -1
+        conv = now + 1  # a first turn starts a conversation
         # The deepest earlier prompt end (never the root); a C-level check first, since most
         # keys of a request are new.
         search = len(keys) - 1 if not directory.keys().isdisjoint(keys[1:]) else 0
@@ -395,6 +419,7 @@ class TurnAwareCachePolicy(CachePolicy):
             if info is not None and info[2]:
                 turn = info[2] + 1
                 matched = i
+                conv = info[4]
                 break
         if matched < 0:
             while known < len(keys) and keys[known] in directory:
@@ -403,11 +428,24 @@ class TurnAwareCachePolicy(CachePolicy):
             known = matched + 1
         new_blocks = len(keys) - known
         hint = hint_of(ctx)
-        hint_code = 0 if hint is None or hint.continues is None else (1 if hint.continues else 2)
-        prio = 0 if hint is None else hint.priority
-        cls = self._class(
-            (hint_code, prio, min(turn, self.max_turn), min(new_blocks.bit_length(), 8))
+        hint_code = (
+            _NO_HINT
+            if hint is None or hint.continues is None
+            else (_CONTINUES if hint.continues else _ENDS)
         )
+        prio = 0 if hint is None else hint.priority
+        shape = (prio, min(turn, self.max_turn), min(new_blocks.bit_length(), 8))
+        cls = self._class((hint_code, *shape))
+        # A session that ends says nothing of the blocks it read again: its known prefix is
+        # filed by who read each block last, its own conversation or another one (a shared
+        # prefix; docs/policies.md, turn_aware's **Hints**).
+        prefix: list[int] = []
+        if hint_code == _ENDS and known > 1:
+            own = self._class((_ENDS_OWN, *shape))
+            shared = self._class((_ENDS_SHARED, prio, 1, 0))
+            for key in keys[:known]:
+                info = directory.get(key)
+                prefix.append(own if info is None or info[4] == conv else shared)
         deadline = None
         if hint is not None and hint.ttl_s is not None:
             deadline = self.clock() + hint.ttl_s
@@ -421,10 +459,12 @@ class TurnAwareCachePolicy(CachePolicy):
         reads = 0
         parent: bytes | None = None
         ends = _first_prompt_end(len(keys))  # keys[ends:] are the prompt ends
+        split = len(prefix)
         for depth, key in enumerate(keys):
+            c = prefix[depth] if depth < split else cls
             info = directory.get(key)
             if info is None:
-                directory[key] = (cls, now, turn if depth >= ends else 0, parent)
+                directory[key] = (c, now, turn if depth >= ends else 0, parent, conv)
             else:
                 if depth or len(keys) == 1:
                     old = classes[info[0]]
@@ -432,21 +472,25 @@ class TurnAwareCachePolicy(CachePolicy):
                     old.group.reads += 1.0
                     pooled_reads[_bucket(now - info[1])] += 1.0
                     reads += 1
-                directory[key] = (cls, now, turn if depth >= ends else info[2], parent)
+                directory[key] = (c, now, turn if depth >= ends else info[2], parent, conv)
                 directory.move_to_end(key)
             parent = key
         labels = float(len(keys) - 1 if len(keys) > 1 else 1)
+        self._pooled.labels += labels
+        for c in prefix[1:]:  # the root is no label
+            classes[c].labels += 1.0
+            classes[c].group.labels += 1.0
+            labels -= 1.0
         target = classes[cls]
         target.labels += labels
         target.group.labels += labels
-        self._pooled.labels += labels
         self._pooled.reads += reads
         if reads:
             self._shape_dirty = True
         while len(directory) > self.directory_size:
             directory.popitem(last=False)
         self._tick = now + len(keys)
-        return _Request(cls, deadline, keys[matched] if matched >= 0 else None, self)
+        return _Request(cls, deadline, keys[matched] if matched >= 0 else None, self, prefix)
 
     # -- heaps ---------------------------------------------------------------------------------
     def _offer(self, key: bytes, entry: _Entry) -> None:
@@ -607,6 +651,8 @@ class TurnAwareCachePolicy(CachePolicy):
             return
         tick = self._tick
         cls = request.cls
+        prefix = request.prefix
+        split = len(prefix)
         deadline = request.deadline
         moved = 0
         classes = self._classes
@@ -618,7 +664,7 @@ class TurnAwareCachePolicy(CachePolicy):
             if entry.token >= 0:  # _unpush, inline: this loop runs for every key read
                 classes[entry.cls].live -= 1
                 entry.token = -1
-            entry.cls = cls
+            entry.cls = prefix[depth] if depth < split else cls
             moved += tick - entry.tick
             entry.tick = tick
             entry.depth = depth
@@ -857,7 +903,8 @@ class TurnAwareCachePolicy(CachePolicy):
                 if any(type(v) is not int for v in key):  # not 1.5 (truncated), not true
                     raise ValueError(f"bad row {item!r:.80}: its key must be integers")
                 hint, prio, turn = key[:3]
-                if not (0 <= hint <= 2 and abs(prio) <= MAX_PRIORITY and 1 <= turn <= max_turn):
+                hint_ok = 0 <= hint <= _ENDS_SHARED
+                if not (hint_ok and abs(prio) <= MAX_PRIORITY and 1 <= turn <= max_turn):
                     raise ValueError(f"row {item!r:.80} out of range")
                 if width == 4 and not 0 <= key[3] <= 8:
                     raise ValueError(f"row {item!r:.80} out of range")

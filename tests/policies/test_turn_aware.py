@@ -463,6 +463,8 @@ def _mutated(edit: str) -> dict:
         state["classes"].append(list(state["classes"][0]))
     elif edit == "group out of range":
         state["groups"][0][2] = 9  # turn 9 > max_turn 5
+    elif edit == "hint out of range":
+        state["classes"][0][0] = 5  # after the shared prefix of an ending session (4)
     return state
 
 
@@ -477,6 +479,7 @@ def _mutated(edit: str) -> dict:
         "bool count",
         "repeated class",
         "group out of range",
+        "hint out of range",
     ],
 )
 def test_a_loosely_typed_state_is_refused_and_changes_nothing(edit: str) -> None:
@@ -564,6 +567,48 @@ def test_the_shared_root_teaches_nothing() -> None:
     assert policy._classes[idx].key == (0, 0, 1, 2)
     assert policy._classes[idx].reads == 0.0
     assert policy.reuse_probability(idx) == 0.0
+
+
+def test_a_session_that_ends_files_its_known_prefix_by_who_read_it_last() -> None:
+    """A request hinted ``continues=False`` says nothing of the blocks it reads again: those
+    another conversation read last go to a shared-prefix class, those its own conversation read
+    last to an own-prefix class, and only its new blocks to its ``continues=False`` class; a
+    later read teaches the class the block was filed under (docs/policies.md, **Hints**)."""
+    mgr = CPUOffloadingManager(16, "turn_aware")
+    policy = mgr.policy
+    assert isinstance(policy, TurnAwareCachePolicy)
+    # b's first prompt ends in b1, b2 (a next turn is recognised by them), so a, which shares
+    # s1 and s2 with it, is another conversation
+    b1 = [b"root", b"s1", b"s2", b"b1", b"b2"]
+    _store(mgr, b1, ReqContext("b, turn 1"))
+    _store(mgr, [b"root", b"s1", b"s2", b"a1"], ReqContext("a, turn 1"))
+    ends = ReqContext("b, turn 2")
+    ends.set_state(SessionHint(continues=False))
+    _store(mgr, [*b1, b"b3", b"b4"], ends)
+    # filed by who read them last: the root, s1 and s2 by a, b1 and b2 by b itself
+
+    def ending() -> dict[str | None, tuple[int, int, float, float]]:
+        return {
+            row["prefix"]: (idx, row["turn"], row["labels"], row["rereads"])
+            for idx, row in enumerate(policy.class_table())
+            if row["continues"] is False
+        }
+
+    rows = ending()
+    assert {prefix: row[1:] for prefix, row in rows.items()} == {
+        "shared": (1, 2.0, 0.0),  # s1, s2 (the root is no label)
+        None: (2, 2.0, 0.0),  # b3, b4
+        "own": (2, 2.0, 0.0),  # b1, b2
+    }
+    filed = {key: entry.cls for key, entry in policy._blocks.items()}
+    assert [key for key in filed if filed[key] == rows["shared"][0]] == b1[:3]
+    assert [key for key in filed if filed[key] == rows["own"][0]] == [b"b1", b"b2"]
+    assert [key for key in filed if filed[key] == rows[None][0]] == [b"b3", b"b4"]
+    _store(mgr, [b"root", b"s1", b"s2", b"c1"], ReqContext("c, turn 1"))
+    assert ending()["shared"][3] == 2.0  # s1 and s2 read again (the root is no sample)
+    fresh = TurnAwareCachePolicy(16)
+    fresh.set_state(policy.state())  # the prefix classes are saved and loaded as any other
+    assert fresh.class_table() == policy.class_table()
 
 
 def test_saved_state_is_private_and_atomic(tmp_path: Path) -> None:
