@@ -49,7 +49,7 @@ constant);
 the pooled shape is recomputed (O(64)) at most once per such call after it learned something.
 Memory: one entry per slot, made when the policy is built and reused (≈ 100 B; none is
 allocated per insert, so the garbage collector has nothing new to scan), per resident block a
-dict item and its heap item, per directory key a tuple (≈ 70 B) and its ordered-dict item.
+dict item and its heap item, per directory key a tuple (≈ 80 B) and its ordered-dict item.
 """
 
 from __future__ import annotations
@@ -84,10 +84,11 @@ MAX_STATE_BYTES = 1 << 20
 #: depths below 2**32.
 _ORDER_SHIFT = 32
 
-#: The hint field of a class key: no ``continues`` hint; ``continues=True``; a block new to (or
-#: a root of) a request hinted ``continues=False``; a block such a request read again that
-#: its own conversation read last ("own prefix"); one that another conversation read last
-#: ("shared prefix", one class per priority: turn 1, new blocks 0).
+#: The hint field of a class key: no ``continues`` hint; ``continues=True``; a block new to a
+#: request hinted ``continues=False`` (every block of one that read at most its root again); a
+#: block such a request read again that its own conversation read last ("own prefix"); one
+#: that another conversation read last ("shared prefix", one class per priority: turn 1, new
+#: blocks 0).
 _NO_HINT, _CONTINUES, _ENDS, _ENDS_OWN, _ENDS_SHARED = range(5)
 
 ClassKey = tuple[int, int, int, int]
