@@ -49,7 +49,9 @@ constant);
 the pooled shape is recomputed (O(64)) at most once per such call after it learned something.
 Memory: one entry per slot, made when the policy is built and reused (≈ 100 B; none is
 allocated per insert, so the garbage collector has nothing new to scan), per resident block a
-dict item and its heap item, per directory key a tuple (≈ 80 B) and its ordered-dict item.
+dict item and its heap item, per directory key a tuple (≈ 80 B) and its ordered-dict item; a
+request hinted ``continues=False`` keeps a list item (8 B) per block of its known prefix on its
+context.
 """
 
 from __future__ import annotations
