@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, TypeGuard
 
@@ -20,6 +21,18 @@ def is_int(value: object) -> TypeGuard[int]:
 def is_number(value: object) -> TypeGuard[int | float]:
     """True for an ``int`` or a ``float`` that is not a ``bool``."""
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def finite_number(value: object) -> float | None:
+    """``value`` as a finite float if it is a JSON number (an int or float, not a bool), else
+    None: NaN, infinities, integers beyond a float's range (``10**400``), anything else."""
+    if not is_number(value):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def check_int(name: str, value: object, low: int) -> int:

@@ -21,12 +21,11 @@ Two ways to attach one:
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from ._types import ReqContext
-from ._validate import is_int, is_number
+from ._validate import finite_number, is_int
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +54,8 @@ class SessionHint:
             can be evicted. Default 0.
 
     Raises:
-        ValueError: ``continues`` not a bool or None, ``ttl_s`` not a positive finite number,
-            ``priority`` not an int.
+        ValueError: ``continues`` not a bool or None, ``ttl_s`` not a positive finite number
+            (also an int beyond a float's range), ``priority`` not an int.
     """
 
     continues: bool | None = None
@@ -66,10 +65,9 @@ class SessionHint:
     def __post_init__(self) -> None:
         if self.continues is not None and not isinstance(self.continues, bool):
             raise ValueError(f"continues must be true, false or null, got {self.continues!r}")
-        if self.ttl_s is not None and (
-            not is_number(self.ttl_s) or not math.isfinite(self.ttl_s) or self.ttl_s <= 0
-        ):
-            raise ValueError(f"ttl_s must be a positive number of seconds, got {self.ttl_s!r}")
+        ttl = None if self.ttl_s is None else finite_number(self.ttl_s)
+        if self.ttl_s is not None and (ttl is None or ttl <= 0):
+            raise ValueError(f"ttl_s must be a positive number of seconds, got {self.ttl_s!r:.40}")
         if not is_int(self.priority):
             raise ValueError(f"priority must be an int, got {self.priority!r}")
         object.__setattr__(self, "priority", max(-MAX_PRIORITY, min(MAX_PRIORITY, self.priority)))

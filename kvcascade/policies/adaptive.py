@@ -61,6 +61,7 @@ from types import FunctionType
 from typing import Any
 
 from .._types import ReqContext
+from .._validate import finite_number
 from ..hints import may_continue
 from .base import BlockStatus
 from .turn_aware import (
@@ -70,7 +71,6 @@ from .turn_aware import (
     _Counts,
     _Entry,
     _expired,
-    _finite,
     _prompt_ends,
     _Request,
 )
@@ -348,8 +348,8 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
         if isinstance(state, dict) and "adaptive" in state:
             saved = state["adaptive"]
             ok = isinstance(saved, dict) and type(saved.get("lru_mode")) is bool
-            lead = _finite(saved.get("lead")) if ok else None
-            square = _finite(saved.get("square")) if ok else None
+            lead = finite_number(saved.get("lead")) if ok else None
+            square = finite_number(saved.get("square")) if ok else None
             if lead is None or square is None or square < 0:
                 raise ValueError(f"malformed policy state (adaptive {saved!r:.80})")
             mode = (saved["lru_mode"], lead, square)

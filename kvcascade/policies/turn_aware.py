@@ -68,6 +68,7 @@ from typing import Any
 
 from .._atomic import replace_file
 from .._types import ReqContext
+from .._validate import finite_number
 from ..hints import MAX_PRIORITY, hint_of
 from .base import BlockStatus, CachePolicy, as_sequence
 
@@ -136,18 +137,6 @@ class _Entry:
     ``turn_aware``'s **Cost**)."""
 
     __slots__ = ("block", "children", "cls", "deadline", "depth", "parent", "tick", "token", "up")
-
-
-def _finite(value: Any) -> float | None:
-    """``value`` as a finite float if it is a JSON number (not a bool), else None (NaN,
-    infinities, integers beyond a float's range)."""
-    if type(value) not in (int, float):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
 
 
 def read_state_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -891,7 +880,7 @@ class TurnAwareCachePolicy(CachePolicy):
         def counts(value: Any) -> float:
             # JSON numbers only: not a bool, a numeric string, NaN, a negative count or an
             # integer beyond a float (10**400: OverflowError)
-            number = _finite(value)
+            number = finite_number(value)
             if number is None or number < 0:
                 raise ValueError(f"bad count {value!r:.40}")
             return number

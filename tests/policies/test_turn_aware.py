@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
 
-from kvcascade import CPUOffloadingManager, ReqContext
+from kvcascade import CPUOffloadingManager, LookupResult, ReqContext
 from kvcascade.hints import SessionHint, admits_new_blocks, hint_of
 from kvcascade.policies import BlockStatus, TurnAwareCachePolicy, resolve_cache_policy
 from kvcascade.policies.adaptive import AdaptiveCachePolicy
@@ -382,6 +382,25 @@ def test_hint_parsing() -> None:
         SessionHint(ttl_s=0)
     with pytest.raises(ValueError):
         SessionHint(priority=1.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo", "turn_aware", "adaptive"])
+def test_a_hint_with_a_ttl_beyond_a_float_is_ignored(policy: str) -> None:
+    """``ttl_s`` from a client's JSON can be an integer no float holds (``10**400``): the hint is
+    refused with a ValueError naming it, and a request carrying it is served as unhinted (it
+    raised OverflowError out of ``touch`` before)."""
+    with pytest.raises(ValueError, match="ttl_s must be a positive number"):
+        SessionHint(ttl_s=10**400)
+    params = json.loads('{"kvcascade_hint": {"continues": true, "ttl_s": 1%s}}' % ("0" * 400))
+    ctx = ReqContext("r", params)
+    assert hint_of(ctx) is None
+    mgr = CPUOffloadingManager(4, policy)
+    mgr.touch([b"a", b"b"], ctx)
+    assert admits_new_blocks(ctx, mgr.policy, 2)
+    out = mgr.prepare_store([b"a", b"b"], ctx)
+    assert out is not None and list(out.keys_to_store) == [b"a", b"b"]
+    mgr.complete_store(out.keys_to_store, ctx)
+    assert [mgr.lookup(k) for k in (b"a", b"b")] == [LookupResult.HIT] * 2
 
 
 def test_save_and_load_state(tmp_path: Path) -> None:
