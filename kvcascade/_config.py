@@ -117,6 +117,8 @@ class CascadeConfig:
         eviction_policy: primary-tier policy name or ``"module:Class"`` (default
             ``"adaptive"``: turn-aware while a miniature simulation says it beats LRU, else LRU;
             docs/policies.md; ``"lru"`` is vLLM's default).
+        cache_policy_module_path: module to import an unregistered ``eviction_policy`` class
+            name from (vLLM's key; :func:`kvcascade.policies.resolve_cache_policy`).
         secondary_tiers: list of tier dicts, each with ``type`` (``fs``, ``memory``, ``s3``,
             ``valkey`` — vLLM's ``example`` and ``obj`` are aliases of ``memory`` and ``s3`` —,
             a registered type, or a class name with ``module_path``) and that tier's keys, in
@@ -138,6 +140,7 @@ class CascadeConfig:
     cpu_blocks: int | None = None
     cpu_bytes_to_use: int | None = None
     eviction_policy: str = "adaptive"
+    cache_policy_module_path: str | None = None
     secondary_tiers: list[dict[str, Any]] = field(default_factory=list, repr=False)
     model_name: str | None = None
     cache_salt: str | None = None
@@ -191,7 +194,12 @@ class CascadeConfig:
         from .policies.registry import resolve_cache_policy
         from .tiers.registry import check_tier_config, is_process_local
 
-        resolve_cache_policy(self.eviction_policy)
+        module_path = self.cache_policy_module_path
+        if module_path is not None and not (isinstance(module_path, str) and module_path):
+            raise ConfigError(
+                f"cache_policy_module_path must be a module name or null, got {module_path!r}"
+            )
+        resolve_cache_policy(self.eviction_policy, module_path)
         names = set()
         roots: dict[str, str] = {}
         for tier in self.secondary_tiers:
@@ -257,7 +265,12 @@ class CascadeConfig:
             raise ConfigError(f"unknown config keys {unknown}; known: {sorted(KNOWN_KEYS)}")
         _check_vllm_keys(extra)
         values = {k: copy.deepcopy(v) for k, v in extra.items() if k in _OWN_KEYS}
-        for key in ("cpu_bytes_to_use", "eviction_policy", "secondary_tiers"):
+        for key in (
+            "cpu_bytes_to_use",
+            "eviction_policy",
+            "cache_policy_module_path",
+            "secondary_tiers",
+        ):
             if key in extra:
                 values[key] = copy.deepcopy(extra[key])
         values.update({k: v for k, v in overrides.items() if v is not None})

@@ -72,7 +72,10 @@ def build_coordinator(
         for tier_cfg in config.secondary_tiers:
             tiers.append(create_secondary_tier(tier_cfg, context))
         primary = CPUOffloadingManager(
-            config.num_cpu_blocks, config.eviction_policy, enable_events=config.enable_events
+            config.num_cpu_blocks,
+            config.eviction_policy,
+            cache_policy_module_path=config.cache_policy_module_path,
+            enable_events=config.enable_events,
         )
     except BaseException:
         for tier in tiers:

@@ -15,6 +15,11 @@ import kvcascade as kc
     [
         ({"eviction_policy": None}, "eviction_policy must be a string, got NoneType"),
         ({"eviction_policy": "mru"}, "Unknown cache policy"),
+        ({"cache_policy_module_path": 5}, "cache_policy_module_path must be a module name"),
+        (
+            {"eviction_policy": "Nope", "cache_policy_module_path": "kvcascade.policies.lru"},
+            "module 'kvcascade.policies.lru' has no class 'Nope'",
+        ),
         ({"secondary_tiers": [{"type": "fs"}]}, "fs tier needs 'root_dir'"),
         (
             {"secondary_tiers": [{"type": "fs", "root_dir": 5}]},
@@ -38,6 +43,22 @@ def test_bad_values_fail_at_construction(overrides: dict, message: str, tmp_path
         kc.CascadeConfig(cpu_blocks=4, **overrides)
     assert message in str(err.value)
     assert not (tmp_path / "kv").exists()  # refused before touching the disk
+
+
+async def test_cache_policy_module_path_names_the_primary_tier_policy() -> None:
+    """vLLM's ``cache_policy_module_path`` (docs/vllm.md): an unregistered class name in that
+    module. The key was accepted and dropped: the config then refused the class name as an
+    unknown policy, and the connector, whose own check had passed, failed to start."""
+    from kvcascade.policies.lru import LRUCachePolicy
+
+    extra = {
+        "eviction_policy": "LRUCachePolicy",
+        "cache_policy_module_path": "kvcascade.policies.lru",
+    }
+    config = kc.CascadeConfig.from_extra_config({"cpu_blocks": 4, "block_bytes": 64, **extra})
+    assert (config.eviction_policy, config.cache_policy_module_path) == tuple(extra.values())
+    async with kc.open_cascade(config) as cascade:
+        assert type(cascade.primary.policy) is LRUCachePolicy
 
 
 def test_a_primary_tier_of_no_slots_is_refused() -> None:
