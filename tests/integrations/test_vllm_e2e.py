@@ -256,6 +256,28 @@ def test_engine_refuses_bad_connector_config(
     gc.collect()
 
 
+def test_engine_takes_an_out_of_tree_policy_class(
+    model_dir: Path, baseline: dict[str, list[int]], tmp_path: Path
+) -> None:
+    """vLLM's ``cache_policy_module_path`` (docs/vllm.md): ``eviction_policy`` names a class of
+    that module. The key used to pass the connector's check and be dropped by the config, so
+    the engine failed to start ("Unknown cache policy 'LRUCachePolicy'")."""
+    from kvcascade.policies.lru import LRUCachePolicy
+
+    config = fs_config(
+        tmp_path / "fs",
+        eviction_policy="LRUCachePolicy",
+        cache_policy_module_path="kvcascade.policies.lru",
+    )
+    llm = make_llm(model_dir, config)
+    try:
+        assert type(scheduler_connector(llm).coordinator.primary.policy) is LRUCachePolicy
+        assert generate(llm, PROMPT)[0] == baseline["prompt"]
+    finally:
+        del llm
+        gc.collect()
+
+
 # -- engines in their own processes: restarts, tenants, exit without close (issue #15) ---------
 def run_job(job_path: str) -> None:
     """Entry point of an engine process (``python -c``; see :func:`engine_job`): start the
