@@ -46,6 +46,20 @@ def check_int(name: str, value: object, low: int) -> int:
     return value
 
 
+def check_number(name: str, value: object, low: float, *, above: bool = False) -> float:
+    """``value``, a finite number ``>= low`` (``> low`` with ``above``), as a float.
+
+    Raises:
+        ConfigError: another value (NaN, an infinity, a bool, a string, …); the message names
+            ``name`` and the value.
+    """
+    number = finite_number(value)
+    if number is None or number < low or (above and number == low):
+        bound = f"> {low:g}" if above else f">= {low:g}"
+        raise ConfigError(f"{name} must be a finite number {bound}, got {value!r:.40}")
+    return number
+
+
 def config_int(cfg: Mapping[str, Any], key: str, default: int, what: str) -> int:
     """``cfg[key]`` (``default`` when absent), an int ``>= 1``.
 

@@ -61,7 +61,7 @@ from types import FunctionType
 from typing import Any
 
 from .._types import ReqContext
-from .._validate import finite_number
+from .._validate import check_int, check_number, finite_number
 from ..hints import may_continue
 from .base import BlockStatus
 from .turn_aware import (
@@ -228,7 +228,8 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
         sampling: ``k``: the shadows see 1 in ``k`` conversations at ``capacity / k``.
 
     Raises:
-        ValueError: a parameter out of range (naming it).
+        ConfigError (a ValueError): a parameter of another type or out of range (naming it and
+            the value): a count not an int, a factor NaN, infinite or not a number.
     """
 
     def __init__(
@@ -240,14 +241,10 @@ class AdaptiveCachePolicy(TurnAwareCachePolicy):
         confidence: float = 2.5,
         **kwargs: object,
     ) -> None:
-        if not shadow_blocks >= 1:
-            raise ValueError(f"shadow_blocks must be >= 1, got {shadow_blocks}")
-        if not max_sampling >= 1:
-            raise ValueError(f"max_sampling must be >= 1, got {max_sampling}")
-        if not window_factor > 0:
-            raise ValueError(f"window_factor must be > 0, got {window_factor}")
-        if not confidence >= 0:
-            raise ValueError(f"confidence must be >= 0, got {confidence}")
+        check_int("shadow_blocks", shadow_blocks, 1)
+        check_int("max_sampling", max_sampling, 1)
+        window_factor = check_number("window_factor", window_factor, 0, above=True)
+        confidence = check_number("confidence", confidence, 0)
         super().__init__(cache_capacity, **kwargs)  # type: ignore[arg-type]
         self.window_factor = window_factor
         self.confidence = confidence

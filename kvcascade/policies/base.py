@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Iterator, Sequence
 
 from .._types import ReqContext
+from .._validate import check_int
 
 
 class BlockStatus:
@@ -70,7 +71,8 @@ class CachePolicy(ABC):
     uses_hints: bool = False
 
     def __init__(self, cache_capacity: int) -> None:
-        self.cache_capacity = cache_capacity
+        """Raises: ConfigError (a ValueError): ``cache_capacity`` not an int ``>= 0``."""
+        self.cache_capacity = check_int("cache_capacity", cache_capacity, 0)
 
     @abstractmethod
     def get(self, key: bytes) -> BlockStatus | None:

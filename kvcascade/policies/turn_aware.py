@@ -67,8 +67,9 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 from .._atomic import replace_file
+from .._errors import ConfigError
 from .._types import ReqContext
-from .._validate import finite_number
+from .._validate import check_int, check_number, finite_number
 from ..hints import MAX_PRIORITY, hint_of
 from .base import BlockStatus, CachePolicy, as_sequence
 
@@ -252,7 +253,8 @@ class TurnAwareCachePolicy(CachePolicy):
     conversation: a first turn and the turns that continue it; docs/policies.md, **Hints**).
 
     Raises:
-        ValueError: a parameter out of range.
+        ConfigError (a ValueError): a parameter of another type or out of range (naming it and
+            the value): a count not an int, a factor NaN, infinite or not a number.
     """
 
     uses_hints = True
@@ -271,16 +273,14 @@ class TurnAwareCachePolicy(CachePolicy):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(cache_capacity)
-        if directory_factor < 1:
-            raise ValueError(f"directory_factor must be >= 1, got {directory_factor}")
-        if min_directory < 0:
-            raise ValueError(f"min_directory must be >= 0, got {min_directory}")
-        if horizon_factor <= 0:
-            raise ValueError(f"horizon_factor must be > 0, got {horizon_factor}")
-        if max_turn < 1:
-            raise ValueError(f"max_turn must be >= 1, got {max_turn}")
-        if admission_margin is not None and not admission_margin >= 0:
-            raise ValueError(f"admission_margin must be >= 0 or None, got {admission_margin}")
+        directory_factor = check_number("directory_factor", directory_factor, 1)
+        check_int("min_directory", min_directory, 0)
+        horizon_factor = check_number("horizon_factor", horizon_factor, 0, above=True)
+        check_int("max_turn", max_turn, 1)
+        if admission_margin is not None:
+            admission_margin = check_number("admission_margin", admission_margin, 0)
+        if not callable(clock):
+            raise ConfigError(f"clock must be a callable returning seconds, got {clock!r:.40}")
         self.directory_size = max(16, min_directory, int(directory_factor * cache_capacity))
         self.horizon_factor = horizon_factor
         self.max_turn = max_turn

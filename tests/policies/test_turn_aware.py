@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -787,6 +788,37 @@ def test_adaptive_parameters_are_checked() -> None:
             AdaptiveCachePolicy(4, **bad)
     with pytest.raises(ValueError, match="max_turn"):
         AdaptiveCachePolicy(4, max_turn=0)
+
+
+@pytest.mark.parametrize(
+    ("policy", "params", "message"),
+    [
+        ("turn_aware", {"max_turn": 1.5}, "max_turn must be an int >= 1, got 1.5"),
+        ("turn_aware", {"max_turn": True}, "max_turn must be an int >= 1, got True"),
+        ("turn_aware", {"horizon_factor": math.nan}, "horizon_factor must be a finite number > 0"),
+        ("turn_aware", {"horizon_factor": math.inf}, "horizon_factor must be a finite number > 0"),
+        ("turn_aware", {"directory_factor": math.nan}, "directory_factor must be a finite"),
+        ("turn_aware", {"min_directory": math.inf}, "min_directory must be an int >= 0, got inf"),
+        ("turn_aware", {"admission_margin": "2"}, "admission_margin must be a finite number"),
+        ("turn_aware", {"clock": None}, "clock must be a callable"),
+        ("adaptive", {"shadow_blocks": "2"}, "shadow_blocks must be an int >= 1, got '2'"),
+        ("adaptive", {"shadow_blocks": True}, "shadow_blocks must be an int >= 1, got True"),
+        ("adaptive", {"max_sampling": 1.5}, "max_sampling must be an int >= 1, got 1.5"),
+        ("adaptive", {"confidence": math.nan}, "confidence must be a finite number >= 0"),
+        ("adaptive", {"max_turn": math.nan}, "max_turn must be an int >= 1, got nan"),
+        ("lru", {"cache_capacity": "8"}, "cache_capacity must be an int >= 0, got '8'"),
+        ("arc", {"cache_capacity": math.nan}, "cache_capacity must be an int >= 0, got nan"),
+        ("turn_aware", {"cache_capacity": -1}, "cache_capacity must be an int >= 0, got -1"),
+        ("s3fifo", {"cache_capacity": True}, "cache_capacity must be an int >= 0, got True"),
+    ],
+)
+def test_a_policy_refuses_parameters_it_cannot_use(policy: str, params: dict, message: str) -> None:
+    """A parameter of the wrong type or NaN / infinite is refused with its name, as one out of
+    range is: ``max_turn=1.5`` made a policy that refused its own saved state, ``horizon_factor``
+    NaN a turnover of 1 tick, infinite an OverflowError at the first eviction."""
+    args = {"cache_capacity": 8, **params}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        resolve_cache_policy(policy)(**args)
 
 
 def test_a_histogram_whose_total_overflows_is_refused() -> None:
