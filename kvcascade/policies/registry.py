@@ -9,6 +9,7 @@ the form ``"module.path:ClassName"``.
 from __future__ import annotations
 
 import importlib
+import inspect
 
 from .._errors import ConfigError
 from .base import CachePolicy
@@ -26,8 +27,18 @@ def register_cache_policy(name: str, cls: str | type[CachePolicy]) -> None:
     """Register ``cls`` (a class or a ``"module.path:ClassName"`` string) under ``name``.
 
     Raises:
-        ValueError: ``name`` is already registered ("… is already registered").
+        ValueError: ``name`` is already registered ("… is already registered"), is not a
+            non-empty string, or ``cls`` is neither a :class:`CachePolicy` subclass nor a
+            ``"module.path:ClassName"`` string (nothing is registered then).
     """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a cache policy name must be a non-empty string, got {name!r:.40}")
+    is_path = isinstance(cls, str) and cls.count(":") == 1 and all(cls.partition(":")[::2])
+    if not (is_path or (isinstance(cls, type) and issubclass(cls, CachePolicy))):
+        raise ValueError(
+            f"cache policy {name!r}: expected a CachePolicy subclass or 'module.path:ClassName',"
+            f" got {cls!r:.60}"
+        )
     if name in _REGISTRY:
         raise ValueError(f"cache policy {name!r} is already registered")
     _REGISTRY[name] = cls
@@ -58,7 +69,8 @@ def resolve_cache_policy(name: str, module_path: str | None = None) -> type[Cach
 
     Raises:
         ConfigError (a ValueError): ``"Unknown cache policy …"`` listing the registered names;
-            an import that fails; a class that is not a :class:`CachePolicy` subclass.
+            an import that fails; a class that is not a :class:`CachePolicy` subclass, or an
+            abstract one.
     """
     if not isinstance(name, str):
         raise ConfigError(f"eviction_policy must be a string, got {type(name).__name__}")
@@ -81,4 +93,7 @@ def resolve_cache_policy(name: str, module_path: str | None = None) -> type[Cach
         )
     if not (isinstance(cls, type) and issubclass(cls, CachePolicy)):
         raise ConfigError(f"eviction_policy {name!r} resolves to {cls!r}, not a CachePolicy")
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise ConfigError(f"eviction_policy {name!r} is an abstract class (no {missing})")
     return cls

@@ -4,6 +4,7 @@ model-based stateful test of CPUOffloadingManager with LRU and ARC."""
 
 from __future__ import annotations
 
+import re
 import sys
 import types
 
@@ -19,6 +20,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+import kvcascade as kc
 from kvcascade import ConfigError, CPUOffloadingManager, LookupResult, ReqContext
 from kvcascade.policies import (
     ARCCachePolicy,
@@ -96,6 +98,34 @@ def test_duplicate_registration_raises(isolated_registry: None) -> None:
     registered"."""
     with pytest.raises(ValueError, match="is already registered"):
         register_cache_policy("lru", CustomPolicy)
+
+
+@pytest.mark.parametrize(
+    ("name", "cls", "message"),
+    [
+        (7, "kvcascade.policies.lru:LRUCachePolicy", "must be a non-empty string, got 7"),
+        ("", "kvcascade.policies.lru:LRUCachePolicy", "must be a non-empty string, got ''"),
+        ("mine", dict, "expected a CachePolicy subclass or 'module.path:ClassName'"),
+        ("mine", "no-colon", "expected a CachePolicy subclass or 'module.path:ClassName'"),
+    ],
+)
+def test_a_bad_registration_is_refused(
+    isolated_registry: None, name: object, cls: object, message: str
+) -> None:
+    """A non-string name registered broke every later "Unknown cache policy" message (sorting
+    an int among strings: TypeError); nothing is registered when refused."""
+    before = registered_cache_policies()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        register_cache_policy(name, cls)  # type: ignore[arg-type]
+    assert registered_cache_policies() == before
+    with pytest.raises(ConfigError, match="Unknown cache policy 'typo'"):
+        resolve_cache_policy("typo")
+
+
+def test_an_abstract_policy_class_is_refused_by_the_config() -> None:
+    """It validated, and failed only when the primary tier was built ("Can't instantiate")."""
+    with pytest.raises(ConfigError, match="is an abstract class"):
+        kc.CascadeConfig(cpu_blocks=4, eviction_policy="kvcascade.policies.base:CachePolicy")
 
 
 def test_dynamic_load_via_cache_policy_module_path(custom_module: str) -> None:
