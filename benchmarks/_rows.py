@@ -10,8 +10,10 @@ each ROW ``{"name", "measured", "baseline", "ratio", "goal", "met", "unit"}``: `
 
 from __future__ import annotations
 
+import argparse
 import json
 import operator
+import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -62,6 +64,23 @@ class Row:
         judged = ratio if baseline is not None else measured
         met = None if goal is None or judged is None else _holds(goal, judged)
         return cls(name, float(measured), baseline, ratio, goal, met, unit)
+
+
+def rows_path(text: str) -> str:
+    """``--json``'s argparse type: ``text`` if a file can be written there, checked before the
+    benchmark runs (a directory, or a missing or read-only parent, failed only at its end).
+
+    Raises:
+        argparse.ArgumentTypeError: empty, a directory, or its parent is not a writable
+            directory.
+    """
+    path = Path(text)
+    if not text or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file path")
+    parent = path.resolve().parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text}: directory {parent} is not writable")
+    return text
 
 
 def write_rows(path: str | Path, benchmark: str, rows: list[Row]) -> None:

@@ -37,7 +37,7 @@ import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
-from _rows import Row, write_rows
+from _rows import Row, rows_path, write_rows
 
 from kvcascade import CPUOffloadingManager, LookupResult, ReqContext
 
@@ -154,7 +154,9 @@ def main() -> None:
     ap.add_argument("--mem-blocks", type=int, default=100_000)
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM even if importable")
     ap.add_argument("--quick", action="store_true", help="5,000 keys, 2 runs")
-    ap.add_argument("--json", help="write the ratio rows here (benchmarks/_rows.py)")
+    ap.add_argument(
+        "--json", type=rows_path, help="write the ratio rows here (benchmarks/_rows.py)"
+    )
     args = ap.parse_args()
     if args.quick:
         args.n, args.runs, args.mem_blocks = 5_000, 2, 5_000

@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 import torch
-from _rows import Row, write_rows
+from _rows import Row, rows_path, write_rows
 
 from kvcascade.ops import select_kernel, swap_blocks
 
@@ -88,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pages", default=",".join(map(str, DEFAULT_PAGES)))
     ap.add_argument("--kernel", default="auto", choices=["auto", "cpp", "torch"])
     ap.add_argument("--quick", action="store_true", help="16 MiB batches, 3 reps")
-    ap.add_argument("--json", help="write the ratio rows here (benchmarks/_rows.py)")
+    ap.add_argument(
+        "--json", type=rows_path, help="write the ratio rows here (benchmarks/_rows.py)"
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.total_mib, args.reps = 16, 3

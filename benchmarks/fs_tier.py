@@ -51,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _rows import Row, write_rows
+from _rows import Row, rows_path, write_rows
 
 import kvcascade as kc
 from kvcascade.ops import _build
@@ -380,7 +380,9 @@ async def main() -> None:
     )
     parser.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip vLLM's side")
     parser.add_argument("--quick", action="store_true", help="32 MiB per pass, 2 repeats")
-    parser.add_argument("--json", help="write the ratio rows here (benchmarks/_rows.py)")
+    parser.add_argument(
+        "--json", type=rows_path, help="write the ratio rows here (benchmarks/_rows.py)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.total_mib, args.repeats = 32, 2

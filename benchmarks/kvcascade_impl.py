@@ -25,7 +25,7 @@ import importlib.util
 from types import ModuleType
 from typing import Any
 
-from _rows import Row, write_rows
+from _rows import Row, rows_path, write_rows
 
 from kvcascade import (
     CPUOffloadingManager,
@@ -127,7 +127,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--quick", action="store_true", help="5,000 keys, 2 runs")
-    parser.add_argument("--json", help="write the ratio rows here (benchmarks/_rows.py)")
+    parser.add_argument(
+        "--json", type=rows_path, help="write the ratio rows here (benchmarks/_rows.py)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.n, args.runs = 5_000, 2

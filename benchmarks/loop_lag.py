@@ -37,7 +37,7 @@ import threading
 import time
 
 import numpy as np
-from _rows import Row, write_rows
+from _rows import Row, rows_path, write_rows
 
 import kvcascade as kc
 
@@ -164,7 +164,9 @@ if __name__ == "__main__":
     )
     parser.add_argument("--baseline-s", type=float, default=4.0, help="baseline seconds")
     parser.add_argument("--quick", action="store_true", help="256 blocks, 2 rounds, 2 s baseline")
-    parser.add_argument("--json", help="write the ratio rows here (benchmarks/_rows.py)")
+    parser.add_argument(
+        "--json", type=rows_path, help="write the ratio rows here (benchmarks/_rows.py)"
+    )
     cli = parser.parse_args()
     if cli.quick:
         cli.blocks, cli.rounds, cli.baseline_s = 256, 2, 2.0

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from _rows import Row, write_rows
+from _rows import Row, rows_path, write_rows
 from anyio.from_thread import start_blocking_portal
 
 import kvcascade as kc
@@ -33,7 +33,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="5000 calls, 2 runs")
-    parser.add_argument("--json", help="write the ratio rows here (benchmarks/_rows.py)")
+    parser.add_argument(
+        "--json", type=rows_path, help="write the ratio rows here (benchmarks/_rows.py)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.calls, args.runs = 5000, 2

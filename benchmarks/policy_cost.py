@@ -15,7 +15,7 @@ included, for ARC and S3-FIFO their ghosts are not yet filled).
 
 ``--json PATH``: each policy's best µs per key against ``lru``'s at the same capacity (goal
 <= 2.0, the bound docs/policies.md measures against) in ``benchmarks/_rows.py``'s format;
-``--quick``: 20,000 keys, 2 runs.
+``--quick``: 20,000 keys, 2 runs, where ``--n`` / ``--runs`` are not given.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.append(_HERE)
 
-from _rows import Row, write_rows  # noqa: E402
+from _rows import Row, rows_path, write_rows  # noqa: E402
 
 from kvcascade import CPUOffloadingManager, ReqContext  # noqa: E402
+from kvcascade.policies import resolve_cache_policy  # noqa: E402
 
 
 def _keys(n: int) -> list[bytes]:
@@ -81,18 +82,31 @@ def _memory(policy: str, keys: list[bytes], batch: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     """Print one row per policy and capacity."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=100_000)
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--n", type=int, help="distinct keys (default 100,000)")
+    parser.add_argument("--runs", type=int, help="fresh managers per row (default 3)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--policies", default="lru,arc,s3fifo,turn_aware,adaptive")
-    parser.add_argument("--quick", action="store_true", help="20,000 keys, 2 runs")
-    parser.add_argument("--json", help="write the ratio rows here (benchmarks/_rows.py)")
+    parser.add_argument("--quick", action="store_true", help="20,000 keys, 2 runs (unless given)")
+    parser.add_argument(
+        "--json", type=rows_path, help="write the ratio rows here (benchmarks/_rows.py)"
+    )
     args = parser.parse_args(argv)
-    if args.quick:
-        args.n, args.runs = 20_000, 2
-    keys = _keys(args.n)
+    for name, quick, full in (("n", 20_000, 100_000), ("runs", 2, 3)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    for name, least in (("n", 10), ("runs", 1), ("batch", 1)):
+        if getattr(args, name) < least:
+            parser.error(f"--{name} must be >= {least}, got {getattr(args, name)}")
     # lru first: every other policy's row is a ratio to it
     policies = ["lru", *(p for p in args.policies.split(",") if p != "lru")]
+    if len(set(policies)) < len(policies):
+        parser.error(f"--policies names a policy twice: {args.policies!r}")
+    try:
+        for name in policies:
+            resolve_cache_policy(name)
+    except ValueError as exc:  # ConfigError
+        parser.error(str(exc))
+    keys = _keys(args.n)
     lru_best: dict[int, float] = {}
     rows = []
     print(f"{'policy':<12}{'capacity':>10}{'best µs/key':>13}{'median µs/key':>15}{'B/block':>9}")

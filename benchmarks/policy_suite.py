@@ -17,7 +17,8 @@ Prints, per trace, one row per capacity (hit ratio of each policy and OPT) and t
 trace took; then the worst margin of each policy against ``max(lru, arc)``. ``--json PATH``
 writes those worst margins in ``benchmarks/_rows.py``'s format, ``adaptive``'s with the rule of
 docs/policies.md (``>= -0.002``); ``--quick``: 300 requests of ``bundled`` and
-``turns_geometric`` at 5 % and 20 %.
+``turns_geometric`` at 5 % and 20 %, where ``--requests`` / ``--traces`` / ``--capacities`` are
+not given. Bad arguments are refused before any trace is replayed.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.append(_HERE)
 
-from _rows import Row, write_rows  # noqa: E402
+from _rows import Row, rows_path, write_rows  # noqa: E402
 
-from kvcascade.replay.compare import Comparison, compare  # noqa: E402
+from kvcascade.policies import resolve_cache_policy  # noqa: E402
+from kvcascade.replay.compare import Comparison, compare, parse_hints  # noqa: E402
 from kvcascade.replay.trace import TOKENS_PER_BLOCK, TraceRequest, bundled_trace, read_trace  # noqa: E402
 
 #: Block ids of generated traces start here (above every id of the bundled trace).
@@ -333,17 +335,38 @@ def format_suite(results: dict[str, tuple[Comparison, float]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Build the traces, replay them, print the table and the worst margins."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=3000)
-    parser.add_argument("--traces", default="all", help="comma-separated names, or all")
-    parser.add_argument("--capacities", default="0.01,0.02,0.05,0.1,0.2")
+    parser.add_argument("--requests", type=int, help="requests per trace (default 3000)")
+    parser.add_argument("--traces", help="comma-separated names, or all (the default)")
+    parser.add_argument("--capacities", help="fractions of unique blocks (default 0.01,…,0.2)")
     parser.add_argument("--policies", default="lru,arc,s3fifo,turn_aware,adaptive")
     parser.add_argument("--hints", default="none")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="300 requests, 2 traces, 2 sizes")
-    parser.add_argument("--json", dest="json_path", help="write the worst-margin rows here")
+    parser.add_argument(
+        "--quick", action="store_true", help="300 requests, 2 traces, 2 sizes (unless given)"
+    )
+    parser.add_argument(
+        "--json", type=rows_path, dest="json_path", help="write the worst-margin rows here"
+    )
     args = parser.parse_args(argv)
-    if args.quick:
-        args.requests, args.traces, args.capacities = 300, "bundled,turns_geometric", "0.05,0.2"
+    quick = (300, "bundled,turns_geometric", "0.05,0.2")
+    full = (3000, "all", "0.01,0.02,0.05,0.1,0.2")
+    for name, default in zip(("requests", "traces", "capacities"), quick if args.quick else full):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.requests < 10:
+        parser.error(f"--requests must be >= 10, got {args.requests}")
+    policies = args.policies.split(",")
+    try:
+        fractions = [float(f) for f in args.capacities.split(",")]
+    except ValueError:
+        parser.error(f"--capacities must be comma-separated numbers, got {args.capacities!r}")
+    try:
+        for name in policies:
+            resolve_cache_policy(name)
+        parse_hints(args.hints)
+    except ValueError as exc:  # ConfigError too
+        parser.error(str(exc))
+    policies = ["lru", "arc", *(p for p in policies if p not in ("lru", "arc"))]
     traces = build_traces(args.requests, args.seed)
     if args.traces != "all":
         wanted = args.traces.split(",")
@@ -351,12 +374,10 @@ def main(argv: list[str] | None = None) -> None:
         if unknown:
             parser.error(f"unknown traces {unknown}; known: {', '.join(traces)}")
         traces = {t: traces[t] for t in wanted}
-    policies = args.policies.split(",")
-    for needed in ("lru", "arc"):
-        if needed not in policies:
-            policies.insert(0, needed)
-    fractions = [float(f) for f in args.capacities.split(",")]
-    results = run_suite(traces, policies, fractions, args.hints, args.seed)
+    try:  # compare's checks: a fraction out of (0, 1] or of 0 blocks, one given twice
+        results = run_suite(traces, policies, fractions, args.hints, args.seed)
+    except ValueError as exc:
+        parser.error(str(exc))
     print(format_suite(results))
     print()
     rows = []

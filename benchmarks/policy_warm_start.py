@@ -39,7 +39,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.append(_HERE)
 
-from _rows import Row, write_rows  # noqa: E402
+from _rows import Row, rows_path, write_rows  # noqa: E402
 
 from kvcascade import CPUOffloadingManager  # noqa: E402
 from kvcascade.replay.compare import keeps_state, simulate, unique_blocks  # noqa: E402
@@ -91,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="defaults of 3,000 requests, turn_aware, 5 %%"
     )
-    parser.add_argument("--json", dest="json_path", help="write the ratio rows here")
+    parser.add_argument(
+        "--json", type=rows_path, dest="json_path", help="write the ratio rows here"
+    )
     args = parser.parse_args(argv)
     quick = (3000, "turn_aware", "0.05") if args.quick else (None, "turn_aware,adaptive", None)
     requests = args.requests if args.requests is not None else quick[0]

@@ -50,7 +50,7 @@ from typing import Any
 import aiobotocore.session
 import numpy as np
 import torch
-from _rows import Row, write_rows
+from _rows import Row, rows_path, write_rows
 from aiobotocore.config import AioConfig
 
 import kvcascade as kc
@@ -222,7 +222,9 @@ async def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="32 blocks per size, 2 repeats")
-    parser.add_argument("--json", help="write the ratio rows here (benchmarks/_rows.py)")
+    parser.add_argument(
+        "--json", type=rows_path, help="write the ratio rows here (benchmarks/_rows.py)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.blocks, args.repeats = 32, 2

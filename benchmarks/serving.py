@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _rows import Row, write_rows
+from _rows import Row, rows_path, write_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 32  # tokens per vLLM block (the CPU backend needs a multiple of 32)
@@ -523,7 +523,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--fs-dir", help="fs tier root (default: a temporary directory)")
     parser.add_argument("--vllm-python", default=sys.executable, help="python with vLLM 0.32")
-    parser.add_argument("--json", help="write the ratio rows (benchmarks/_rows.py) here")
+    parser.add_argument(
+        "--json", type=rows_path, help="write the ratio rows (benchmarks/_rows.py) here"
+    )
     parser.add_argument("--details", help="write every configuration's full figures here")
     parser.add_argument("--plot", help="write the TTFT CDF / cached-share PNG here")
     args = parser.parse_args(argv)

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _rows import Row, write_rows
+from _rows import Row, rows_path, write_rows
 
 _TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path.insert(0, str(_TESTS))  # the moto server and the fault proxy of the test suite
@@ -186,7 +186,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--delay", type=float, default=5.0, help="s3 delay when hung, seconds")
     parser.add_argument("--cpu-blocks", type=int, default=64, help="primary tier slots")
     parser.add_argument("--quick", action="store_true", help="200 lookups, 64 stored, 2 s delay")
-    parser.add_argument("--json", help="write the ratio row here (benchmarks/_rows.py)")
+    parser.add_argument(
+        "--json", type=rows_path, help="write the ratio row here (benchmarks/_rows.py)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.lookups, args.stored, args.delay = 200, 64, 2.0

@@ -52,7 +52,7 @@ from collections.abc import Iterator
 import numpy as np
 import redis.asyncio as aioredis
 import torch
-from _rows import Row, write_rows
+from _rows import Row, rows_path, write_rows
 
 import kvcascade as kc
 from kvcascade.tiers._block_format import file_size
@@ -219,7 +219,9 @@ if __name__ == "__main__":
     parser.add_argument("--blocks-per-job", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="16 MiB per size, 2 repeats")
-    parser.add_argument("--json", help="write the ratio rows here (benchmarks/_rows.py)")
+    parser.add_argument(
+        "--json", type=rows_path, help="write the ratio rows here (benchmarks/_rows.py)"
+    )
     arguments = parser.parse_args()
     if arguments.quick:
         arguments.mib, arguments.repeats = 16, 2

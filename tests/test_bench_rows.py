@@ -99,3 +99,47 @@ def test_the_warm_start_benchmark_writes_its_rows(tmp_path: Path) -> None:
     assert low - 5e-5 <= table["cold"] <= high + 5e-5
     bad = subprocess.run([*cmd[:2], "--policies", "lru"], env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "policy 'lru' keeps no learned state" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        ("policy_suite.py", ["--requests", "5"], "--requests must be >= 10, got 5"),
+        ("policy_suite.py", ["--capacities", "abc"], "--capacities must be comma-separated"),
+        ("policy_suite.py", ["--hints", "oracle:1.5"], "noise must be within [0, 1], got 1.5"),
+        ("policy_suite.py", ["--policies", "foo"], "Unknown cache policy 'foo'"),
+        ("policy_suite.py", ["--json", "."], "argument --json: '.' is not a file path"),
+        ("policy_cost.py", ["--n", "0"], "--n must be >= 10, got 0"),
+        ("policy_cost.py", ["--batch", "-1"], "--batch must be >= 1, got -1"),
+        ("policy_cost.py", ["--policies", "lru,arc,arc"], "names a policy twice"),
+        ("policy_warm_start.py", ["--json", "/nonexistent/x.json"], "is not writable"),
+    ],
+)
+def test_a_benchmark_refuses_bad_arguments_before_it_runs(
+    script: str, args: list[str], message: str
+) -> None:
+    """Usage errors (exit 2, the bad value named), not a traceback — and not after the run: a
+    ``--json`` directory failed only at the end; ``--batch -1`` printed a row of no work."""
+    env = dict(os.environ, PYTHONPATH=str(BENCH.parent))
+    done = subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert done.stdout == ""
+
+
+def test_quick_leaves_the_options_given_alone() -> None:
+    """``--quick`` sets only what is not given (it replaced ``--traces`` and ``--requests``)."""
+    env = dict(os.environ, PYTHONPATH=str(BENCH.parent))
+    cmd = [sys.executable, str(BENCH / "policy_suite.py"), "--quick", "--traces", "shift"]
+    cmd += ["--requests", "40", "--policies", "lru"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=120)
+    rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("|")][2:]
+    assert [r[1].strip() for r in rows] == ["shift", ""]
+    assert [r[2].strip() for r in rows] == ["5%", "20%"]
+    assert done.stdout.splitlines()[0].split("|")[4:6] == [" lru ", " arc "]
