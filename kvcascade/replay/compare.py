@@ -258,8 +258,9 @@ def compare(
     run, and at least one of ``policies`` must learn.
 
     Raises:
-        ValueError: a fraction outside ``(0, 1]`` or of 0 blocks, a policy or fraction given
-            twice (its column or row would be printed twice), a bad ``hints`` spec, a
+        ValueError: a trace of no blocks, a fraction outside ``(0, 1]`` or of 0 blocks, a
+            policy or fraction given twice or two fractions of one size in blocks (its column
+            or row would be printed twice), a bad ``hints`` spec, a
             ``policy_state`` a learning policy refuses (malformed, another version or
             ``max_turn``) or one that no policy of ``policies`` learns from.
         ConfigError: an unknown policy.
@@ -290,7 +291,9 @@ def compare(
             )
     request_hints = oracle_hints(trace, noise, seed) if use_hints else None
     unique = unique_blocks(trace)
-    capacities = []
+    if not unique:
+        raise ValueError("the trace has no blocks to cache (every request's hash_ids is empty)")
+    capacities: list[int] = []
     for fraction in fractions:
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"capacity fractions must be within (0, 1], got {fraction}")
@@ -299,6 +302,12 @@ def compare(
             raise ValueError(
                 f"capacity fraction {fraction} of the trace's {unique:,} unique blocks is 0 "
                 f"blocks; give at least 1/{unique:,}"
+            )
+        if capacity in capacities:  # its row would be printed twice
+            other = fractions[capacities.index(capacity)]
+            raise ValueError(
+                f"capacity fractions {other} and {fraction} are both {capacity:,} blocks of the "
+                f"trace's {unique:,} unique blocks; give each size once"
             )
         capacities.append(capacity)
     result = Comparison(list(fractions), capacities, list(policies), hints=hints)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -12,7 +11,7 @@ from pathlib import Path
 from typing import TextIO
 
 from .._errors import TraceError
-from .._validate import is_int, is_number
+from .._validate import finite_number, is_int
 
 TOKENS_PER_BLOCK = 512
 _MAX_ID = 1 << 64  # block ids become 8-byte block hashes
@@ -97,10 +96,10 @@ def _iter_trace(path: Path, limit: int | None) -> Iterator[TraceRequest]:
             ts = record.get("timestamp", 0)
             length = record.get("input_length", len(ids) * TOKENS_PER_BLOCK)
             output = record.get("output_length", 0)
-            if not is_number(ts) or not math.isfinite(ts) or not is_int(length):
-                raise TraceError(
-                    f"{path}:{lineno}: bad timestamp {ts!r} or input_length {length!r}"
-                )
+            if finite_number(ts) is None:
+                raise TraceError(f"{path}:{lineno}: bad timestamp {ts!r:.40}")
+            if not is_int(length) or length < 0:
+                raise TraceError(f"{path}:{lineno}: bad input_length {length!r:.40}")
             if not is_int(output) or output < 0:
                 raise TraceError(f"{path}:{lineno}: bad output_length {output!r}")
             yield TraceRequest(count, int(ts), length, tuple(ids), output)

@@ -8,6 +8,7 @@ import json
 import os
 import random
 from collections import OrderedDict
+from pathlib import Path
 
 import pytest
 
@@ -177,6 +178,10 @@ def test_cli_compare_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     [
         (["--compare-policies", "lru,arc,lru"], "policy 'lru' is given twice"),
         (["--compare-policies", "lru", "--capacities", "0.1,0.1"], "capacity fraction 0.1 is"),
+        (
+            ["--compare-policies", "lru", "--capacities", "0.5,0.505"],
+            "capacity fractions 0.5 and 0.505 are both 29 blocks of the trace's 59 unique",
+        ),
         (["--compare-policies", ","], "--compare-policies needs at least one entry, got ','"),
         (["--compare-policies", "lru", "--capacities", " ,"], "--capacities needs at least "),
     ],
@@ -190,6 +195,19 @@ def test_cli_compare_refuses_a_repeated_or_missing_policy_or_capacity(
     assert main(["replay", "--requests", "5", "--quiet", *argv]) == 2
     out = capsys.readouterr()
     assert f"kvcascade: error: {message}" in out.err and out.out == ""
+
+
+def test_cli_compare_refuses_a_trace_of_no_blocks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every request with empty ``hash_ids``: the error said "give at least 1/0"."""
+    trace = tmp_path / "empty.jsonl"
+    trace.write_text('{"hash_ids": [], "input_length": 0}\n' * 3)
+    assert main(["replay", str(trace), "--compare-policies", "lru", "--quiet"]) == 2
+    out = capsys.readouterr()
+    assert out.err == (
+        "kvcascade: error: the trace has no blocks to cache (every request's hash_ids is empty)\n"
+    )
 
 
 def _labels(trace: list[TraceRequest]) -> int:

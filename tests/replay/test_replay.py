@@ -472,6 +472,8 @@ def test_credentials_never_reach_reports_or_reprs() -> None:
         (b'{"hash_ids": [18446744073709551616]}\n', "[0, 2**64)"),
         (b"\xff\xfe{}\n", "not UTF-8"),
         (b'{"hash_ids": [1], "timestamp": Infinity}\n', "bad timestamp inf"),
+        (b'{"hash_ids": [1], "timestamp": 1' + b"0" * 400 + b"}\n", "bad timestamp 1000"),
+        (b'{"hash_ids": [1], "input_length": -5}\n', "bad input_length -5"),
     ],
 )
 def test_malformed_traces_are_one_clear_error(
