@@ -8,8 +8,8 @@ often. The policy therefore
 
 1. keeps a bounded **directory** of recently read keys (``max(min_directory,
    directory_factor × capacity)`` entries, least recently read dropped first) remembering, per
-   key, the class and logical time of its last read and whether it ended a prompt (and at which
-   turn);
+   key, the class and logical time of its last read, whether it ended a prompt (and at which
+   turn) and its reader's hint deadline (``ttl_s``: a block the reader stores gets it);
 2. on a request's first ``touch`` infers its turn (1 + turn of the deepest earlier prompt end
    among its keys) and its number of new blocks, and files all its blocks under the class
    ``(hint, priority, turn, log2 new blocks)`` — except the blocks a request hinted
@@ -49,7 +49,7 @@ constant);
 the pooled shape is recomputed (O(64)) at most once per such call after it learned something.
 Memory: one entry per slot, made when the policy is built and reused (≈ 100 B; none is
 allocated per insert, so the garbage collector has nothing new to scan), per resident block a
-dict item and its heap item, per directory key a tuple (≈ 80 B) and its ordered-dict item; a
+dict item and its heap item, per directory key a tuple (≈ 88 B) and its ordered-dict item; a
 request hinted ``continues=False`` keeps a list item (8 B) per block of its known prefix on its
 context.
 """
@@ -290,8 +290,11 @@ class TurnAwareCachePolicy(CachePolicy):
         # Entries not in use (_Entry): one per slot, so that inserts allocate nothing.
         self._spare = [_Entry() for _ in range(cache_capacity)]
         # key -> (class, tick of last read, prompt-end turn (0: none), parent key, conversation
-        # of the last read: the tick of its first turn's classification + 1)
-        self._directory: OrderedDict[bytes, tuple[int, int, int, bytes | None, int]] = OrderedDict()
+        # of the last read: the tick of its first turn's classification + 1, the hint deadline
+        # of the last reader: what ``insert`` gives a block its reader stores)
+        self._directory: OrderedDict[
+            bytes, tuple[int, int, int, bytes | None, int, float | None]
+        ] = OrderedDict()
         self._classes: list[_ClassStats] = []
         self._class_index: dict[ClassKey, int] = {}
         self._groups: dict[tuple[int, int, int], _Counts] = {}
@@ -443,7 +446,7 @@ class TurnAwareCachePolicy(CachePolicy):
             deadline = self.clock() + hint.ttl_s
         # Learn: each key still in the directory was read again after (now - last tick). The
         # root (shared by every conversation) is neither a sample nor a label.
-        # Directory entries are tuples of ints and bytes, which the garbage collector stops
+        # Directory entries are tuples of ints, floats and bytes, which the garbage collector stops
         # tracking (a list per key was one more object for each full collection to scan:
         # docs/policies.md, turn_aware's **Cost**).
         classes = self._classes
@@ -456,7 +459,7 @@ class TurnAwareCachePolicy(CachePolicy):
             c = prefix[depth] if depth < split else cls
             info = directory.get(key)
             if info is None:
-                directory[key] = (c, now, turn if depth >= ends else 0, parent, conv)
+                directory[key] = (c, now, turn if depth >= ends else 0, parent, conv, deadline)
             else:
                 if depth or len(keys) == 1:
                     old = classes[info[0]]
@@ -464,7 +467,8 @@ class TurnAwareCachePolicy(CachePolicy):
                     old.group.reads += 1.0
                     pooled_reads[_bucket(now - info[1])] += 1.0
                     reads += 1
-                directory[key] = (c, now, turn if depth >= ends else info[2], parent, conv)
+                end_turn = turn if depth >= ends else info[2]
+                directory[key] = (c, now, end_turn, parent, conv, deadline)
                 directory.move_to_end(key)
             parent = key
         labels = float(len(keys) - 1 if len(keys) > 1 else 1)
@@ -571,7 +575,8 @@ class TurnAwareCachePolicy(CachePolicy):
         entry.block = block
         entry.tick = tick
         entry.depth = 0
-        entry.deadline = None
+        # the reader's hint deadline: a block its request stores after its touch expires too
+        entry.deadline = None if info is None else info[5]
         entry.children = 0
         entry.token = -1
         if info is None:

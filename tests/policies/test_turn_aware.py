@@ -836,6 +836,38 @@ def test_a_histogram_whose_total_overflows_is_refused() -> None:
     assert all(math.isfinite(row["p_reread_within_h"]) for row in policy.class_table())
 
 
+@pytest.mark.parametrize("policy", ["turn_aware", "adaptive"])
+def test_blocks_a_hinted_request_stores_expire_with_its_ttl(policy: str) -> None:
+    """A request touches its prompt, then stores its new blocks (the coordinator's order, with
+    no touch after the store): the stored blocks carry the hint's deadline (they had none until
+    another request read them, so a session that never came back never expired). Past it they
+    go before an unhinted request's older blocks, whatever their priority."""
+    now = [0.0]
+    mgr = CPUOffloadingManager(4, policy)
+    mgr.policy.clock = lambda: now[0]  # type: ignore[attr-defined]
+
+    def request(name: bytes, hint: SessionHint | None) -> list[bytes]:
+        keys = [name + b"0", name + b"1"]
+        ctx = ReqContext(name.decode())
+        if hint is not None:
+            ctx.set_state(hint)
+        mgr.touch(keys, ctx)
+        out = mgr.prepare_store(keys, ctx)
+        assert out is not None and not out.evicted_keys
+        mgr.complete_store(out.keys_to_store, ctx)
+        mgr.on_request_finished(ctx)
+        return keys
+
+    request(b"b", None)
+    hinted = request(b"a", SessionHint(ttl_s=1.0, priority=3))
+    assert [mgr.policy._blocks[k].deadline for k in hinted] == [1.0, 1.0]  # type: ignore[attr-defined]
+    now[0] = 100.0
+    ctx = ReqContext("c")
+    mgr.touch([b"c0", b"c1"], ctx)
+    out = mgr.prepare_store([b"c0", b"c1"], ctx)
+    assert out is not None and sorted(out.evicted_keys) == hinted
+
+
 def test_adaptive_shadow_inserts_a_repeated_key_once() -> None:
     """A request that names a key twice: the manager stores it once, and so must the shadow
     turn-aware cache (``insert`` only of absent keys), or its evictable count and tick sum
