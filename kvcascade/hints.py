@@ -77,9 +77,15 @@ class SessionHint:
         """The hint in ``params[HINT_PARAM]`` (a request's ``kv_transfer_params``), or None.
 
         A malformed hint (not an object, unknown field, bad value) is logged as a warning and
-        ignored: the request then behaves as unhinted.
+        ignored: the request then behaves as unhinted; so are ``params`` that are not a dict (a
+        ``ReqContext`` built by hand with a string, say).
         """
-        if not params or HINT_PARAM not in params:
+        if not params:
+            return None
+        if not isinstance(params, dict):
+            logger.warning("ignoring kv_transfer_params: expected a dict, got %.60r", params)
+            return None
+        if HINT_PARAM not in params:
             return None
         raw = params[HINT_PARAM]
         if not isinstance(raw, dict):
@@ -87,7 +93,7 @@ class SessionHint:
             return None
         unknown = set(raw) - {"continues", "ttl_s", "priority"}
         if unknown:
-            logger.warning("ignoring %s: unknown fields %s", HINT_PARAM, sorted(unknown))
+            logger.warning("ignoring %s: unknown fields %s", HINT_PARAM, sorted(unknown, key=str))
             return None
         try:
             return cls(**raw)
@@ -118,10 +124,14 @@ def with_envelope_hint(params: dict[str, Any] | None, envelope: Any) -> dict[str
         logged as a warning and ignored. Actions of other types are not kvcascade's and are
         left alone.
     """
-    if envelope is None or (params and HINT_PARAM in params):
+    if envelope is None or not isinstance(params, dict | None) or (params and HINT_PARAM in params):
+        return params  # not a dict: SessionHint.from_params warns
+    actions = _field(envelope, "actions") or ()
+    if not isinstance(actions, list | tuple):
+        logger.warning("ignoring a hints envelope whose actions are %.60r", actions)
         return params
     payload = None
-    for action in _field(envelope, "actions") or ():
+    for action in actions:
         if _field(action, "action_type") != HINT_ACTION:
             continue
         version = _field(action, "action_version")

@@ -473,3 +473,31 @@ async def test_models_sharing_an_fs_directory_see_only_their_own_blocks(tmp_path
         assert_idle(same)
     namespaces = sorted(p.name.split("_")[0] for p in tmp_path.iterdir())
     assert namespaces == ["a", "a", "b", "b"]  # <model>_<digest> (config.json) and its _r0
+
+
+@pytest.mark.parametrize(
+    "params",
+    ["kvcascade_hint", ["kvcascade_hint"], 5, {"kvcascade_hint": {1: 1, "x": 2}}],
+    ids=["str", "list", "int", "unsortable-fields"],
+)
+@pytest.mark.parametrize("policy", ["lru", "adaptive"])
+async def test_malformed_kv_transfer_params_are_served_as_unhinted(
+    params: object, policy: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``kv_transfer_params`` that is no dict, or a hint whose unknown fields do not sort: a
+    warning and an unhinted request (a TypeError came out of ``store`` and ``touch``)."""
+    cfg = config(cpu_blocks=4)
+    cfg.eviction_policy = policy
+    async with kc.open_cascade(cfg) as cascade:
+        ctx = kc.ReqContext("r", params)  # type: ignore[arg-type]
+        cascade.device.kv[1] = 1
+        with caplog.at_level(logging.WARNING, logger="kvcascade.hints"):
+            assert (await cascade.store([key(1)], ctx, [1])).stored == [key(1)]
+            cascade.touch([key(1)], ctx)
+        cascade.finish_request(ctx)
+        assert "ignoring" in caplog.text
+        reader = kc.ReqContext("reader")
+        assert (await cascade.lookup_prefix([key(1)], reader)).tiers[0] == "cpu"
+        await cascade.load([key(1)], reader, [2])
+        assert int(cascade.device.kv[2][0]) == 1
+        cascade.finish_request(reader)
