@@ -111,6 +111,19 @@ def _duplicated(keys: list[bytes]) -> bool:
     return len(set(keys)) < len(keys)
 
 
+#: Requests' ``kv_transfer_params`` in turn: none, session hints the default policy files under
+#: classes of their own (an ending session, a short ``ttl_s`` that expires within a run, a
+#: priority), and malformed ones that must be served as unhinted (docs/policies.md, *Session
+#: hints*). With secondary tiers no hint refuses a store, so the model's expectations hold.
+_HINTS: list[dict[str, Any] | None] = [
+    None,
+    {"kvcascade_hint": {"continues": False, "ttl_s": 0.01, "priority": 2}},
+    {"kvcascade_hint": {"continues": True, "priority": -1}},
+    {"kvcascade_hint": {"ttl_s": 10**400}},
+    {"kvcascade_hint": {1: 1, "x": 2}},
+]
+
+
 class CascadeModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -165,7 +178,8 @@ class CascadeModel(RuleBasedStateMachine):
 
     def _new_ctx(self) -> Request:
         self.n += 1
-        return Request(kc.ReqContext(f"q{self.n}"))
+        params = _HINTS[self.n % len(_HINTS)]
+        return Request(kc.ReqContext(f"q{self.n}", None if params is None else dict(params)))
 
     def _free_rows(self, rows: list[int], n: int) -> list[int] | None:
         busy = {r for op in self.ops for r in op.rows}
