@@ -135,6 +135,9 @@ class CascadeModel(RuleBasedStateMachine):
         self.tainted: set[bytes] = set()  # keys whose bytes the test cannot know
         self.provisional: set[bytes] = set()  # stored from rows a load in flight fills
         self.damaged: set[bytes] = set()  # fs files the test truncated or corrupted
+        # fs files truncated since the tier was opened: it counts them at their written size
+        # until it reads them; a tier opened later counts what it finds on disk
+        self.truncated: set[bytes] = set()
         self.n = 0
         self.errors = ErrorLog()
 
@@ -170,6 +173,7 @@ class CascadeModel(RuleBasedStateMachine):
         self.fs: kc.FileSystemTier = self.cascade.tiers[0]  # type: ignore[assignment]
         self.mem: FaultyTier = self.cascade.tiers[1]  # type: ignore[assignment]
         self.rules_since_restart = 0
+        self.truncated.clear()
 
     def _request(self, i: int) -> Request:
         while len(self.reqs) <= i:
@@ -438,6 +442,7 @@ class CascadeModel(RuleBasedStateMachine):
             with open(path, "r+b") as f:
                 if fault == "truncate":
                     f.truncate(HEADER_BYTES + BLOCK // 2)
+                    self.truncated.add(key)
                 else:
                     f.seek(HEADER_BYTES + 7)
                     f.write(b"\xff\x00\xff")
@@ -494,7 +499,7 @@ class CascadeModel(RuleBasedStateMachine):
                 with contextlib.suppress(FileNotFoundError):
                     size = os.path.getsize(self.fs.path_of(key))
                     # a file truncated by the test counts as written until the tier reads it
-                    on_disk += file_size(BLOCK) if key in self.damaged else size
+                    on_disk += file_size(BLOCK) if key in self.truncated else size
             assert self.fs.used_bytes == on_disk, (
                 f"fs tier counts {self.fs.used_bytes} B of block files, {on_disk} B on disk"
             )
@@ -537,6 +542,7 @@ class CascadeModel(RuleBasedStateMachine):
                     data = f.read(BLOCK)
             except FileNotFoundError:
                 self.damaged.discard(key)
+                self.truncated.discard(key)
                 continue
             if key not in skip and key not in self.damaged:
                 assert data == payload(key), f"fs block file of {key.hex()[:8]} holds other bytes"
