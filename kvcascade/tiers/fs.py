@@ -366,10 +366,17 @@ class FileSystemTier(SecondaryTier):
         await self._call_blocking(self._scan, deadline=False)
 
     def _scan(self) -> None:
-        """Delete stale temp files; with ``max_bytes``, rebuild the LRU index and trim it."""
+        """Delete stale temp files (block files in the namespace; ``config.json`` and the
+        policy state beside it, ``kvcascade/_atomic.py``); with ``max_bytes``, rebuild the LRU
+        index and trim it."""
         found: list[tuple[int, bytes, int]] = []
         stale = 0
         now = time.time()
+        config_dir = (self.root / self.mapper.config_relative_path()).parent
+        for entry in _files(config_dir):
+            if entry.name.endswith(".tmp") and self._is_stale_temp(entry, now):
+                _unlink_quietly(entry.path)
+                stale += 1
         for top in _subdirs(self.data_dir):
             for leaf in _subdirs(top.path):
                 group = _group_of(leaf.name)
@@ -965,6 +972,14 @@ def _subdirs(path: str | os.PathLike[str]) -> list[os.DirEntry[str]]:
     try:
         with os.scandir(path) as entries:
             return [e for e in entries if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+
+
+def _files(path: str | os.PathLike[str]) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(path) as entries:
+            return [e for e in entries if e.is_file(follow_symlinks=False)]
     except FileNotFoundError:
         return []
 

@@ -792,7 +792,8 @@ async def test_restart_reuses_files_rebuilds_size_and_removes_stale_temps(
 ) -> None:
     """Issue #5 item 6: a new tier on the directory serves the old files; with max_bytes it
     rebuilds the accounting (and trims to a smaller bound, oldest first); temp files of a dead
-    process are removed, a fresh one of a live process is kept."""
+    process are removed, a fresh one of a live process is kept, among the block files and
+    beside ``config.json``."""
     first = make_tier(tmp_path, host, max_bytes=10 * file_size(BLOCK))
     async with running(first):
         for i in range(4):
@@ -807,11 +808,18 @@ async def test_restart_reuses_files_rebuilds_size_and_removes_stale_temps(
     leaf = Path(first.path_of(key(0))).parent
     stale = leaf / f"{key(0)[:-4].hex()}.bin_{dead}_1.tmp"
     live = leaf / f"{key(0)[:-4].hex()}.bin_{os.getpid()}_2.tmp"
-    stale.write_bytes(b"partial")
-    live.write_bytes(b"partial")
+    # A kill -9 while config.json or the policy state beside it was replaced
+    # (kvcascade/_atomic.py) leaves a temp file in the namespace's parent directory.
+    config_dir = (Path(first.root) / first.mapper.config_relative_path()).parent
+    config_stale = config_dir / f"turn_aware_state.json_{dead}_3.tmp"
+    config_live = config_dir / f"config.json_{os.getpid()}_4.tmp"
+    for temp in (stale, live, config_stale, config_live):
+        temp.write_bytes(b"partial")
     second = make_tier(tmp_path, host, max_bytes=3 * file_size(BLOCK))
     async with running(second):
         assert not stale.exists() and live.exists()
+        assert not config_stale.exists() and config_live.exists()
+        assert (config_dir / "config.json").exists()
         assert second.used_bytes == 3 * file_size(BLOCK) and second.counters["evictions"] == 1
         assert await second.contains([key(i) for i in range(4)]) == [False, True, True, True]
         assert (await load(second, [3], [4])).success and bytes(host.row(4)) == pattern(3)
