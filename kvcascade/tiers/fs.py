@@ -373,12 +373,12 @@ class FileSystemTier(SecondaryTier):
         stale = 0
         now = time.time()
         config_dir = (self.root / self.mapper.config_relative_path()).parent
-        for entry in _files(config_dir):
+        for entry in _entries(config_dir, dirs=False):
             if entry.name.endswith(".tmp") and self._is_stale_temp(entry, now):
                 _unlink_quietly(entry.path)
                 stale += 1
-        for top in _subdirs(self.data_dir):
-            for leaf in _subdirs(top.path):
+        for top in _entries(self.data_dir, dirs=True):
+            for leaf in _entries(top.path, dirs=True):
                 group = _group_of(leaf.name)
                 if group is None:
                     continue
@@ -968,17 +968,12 @@ def _make_dirs(leaf: str) -> None:
             os.mkdir(path, 0o700)
 
 
-def _subdirs(path: str | os.PathLike[str]) -> list[os.DirEntry[str]]:
+def _entries(path: str | os.PathLike[str], dirs: bool) -> list[os.DirEntry[str]]:
+    """The subdirectories (``dirs``) or the regular files of ``path``; [] when it is gone."""
     try:
         with os.scandir(path) as entries:
-            return [e for e in entries if e.is_dir(follow_symlinks=False)]
-    except FileNotFoundError:
-        return []
-
-
-def _files(path: str | os.PathLike[str]) -> list[os.DirEntry[str]]:
-    try:
-        with os.scandir(path) as entries:
+            if dirs:
+                return [e for e in entries if e.is_dir(follow_symlinks=False)]
             return [e for e in entries if e.is_file(follow_symlinks=False)]
     except FileNotFoundError:
         return []
