@@ -6,7 +6,8 @@ awaited or cancelled a few loop iterations later), ``touch``, ``finish_request``
 after a lookup: an abort), keys repeated in one call and shared between requests, a store from
 the GPU rows a load in flight is filling, and faults: block files deleted, truncated or
 corrupted, memory-tier jobs that fail or stall past their deadline (``io_timeout_s``, with a
-short ``pending_write_timeout_s``), and a restart on the same fs directory.
+short ``pending_write_timeout_s``), and a restart on the same fs directory (with the temp files
+a ``kill -9`` of the last writer leaves, which the restart must delete).
 
 The GPU is the cascade's own device KV cache (``cascade.device.kv``, a CPU tensor): before a
 store the rule writes the bytes of each key into its GPU row; after a load it reads them back.
@@ -34,6 +35,7 @@ import shutil
 import tempfile
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,6 +45,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from test_coordinator_model import ScriptedTier
 
 import kvcascade as kc
+from kvcascade._policy_state import policy_state_path
 from kvcascade.tiers._block_format import HEADER_BYTES, file_size
 
 BLOCK = 512  # KV bytes of one block
@@ -451,10 +454,22 @@ class CascadeModel(RuleBasedStateMachine):
     @precondition(lambda self: self.rules_since_restart >= 20)
     @rule()
     def restart(self) -> None:
-        """Drain, check, close the cascade, and open a new one on the same fs directory."""
+        """Drain, check, close the cascade, and open a new one on the same fs directory; the
+        temp files a ``kill -9`` of the last writer would have left (a block file's, and the
+        policy state's beside ``config.json``, ``kvcascade/_atomic.py``) are gone after it."""
         self._drain_and_check()
+        config = Path(self.fs.root) / self.fs.mapper.config_relative_path()
+        state = policy_state_path(self.cascade.primary.policy, self.cascade.tiers) or config
+        block = Path(self.fs.path_of(ALL_KEYS[0]))
         self._close()
+        dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process has it
+        block.parent.mkdir(parents=True, exist_ok=True)
+        crashed = [Path(f"{path}_{dead}_0.tmp") for path in (block, state)]
+        for temp in crashed:
+            temp.write_bytes(b"partial")
         self._open()
+        survived = [temp for temp in crashed if temp.exists()]
+        assert not survived, f"a dead writer's temp files survived the restart: {survived}"
 
     # -- drain -----------------------------------------------------------------------------
     def _drain_and_check(self) -> None:
