@@ -60,16 +60,26 @@ class NamespaceUsage:
     ranks: list[str] = field(default_factory=list)
 
 
-def _block_files(data_dir: Path) -> Iterator[os.DirEntry[str]]:
-    """Every file under a ``_r<rank>`` directory (``<hhh>/<hh>_g<group>/…``)."""
+def _block_files(data_dir: Path) -> Iterator[tuple[os.DirEntry[str], os.stat_result]]:
+    """Every file under a ``_r<rank>`` directory (``<hhh>/<hh>_g<group>/…``) with its
+    ``lstat``. A running engine renames its temp files and evicts blocks while the walk goes on
+    (and another purge removes directories): a file or directory gone by the time it is
+    reached is skipped, as the engine itself treats it (a miss)."""
     stack = [data_dir]
     while stack:
-        with os.scandir(stack.pop()) as entries:
-            for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append(Path(entry.path))
-                elif entry.is_file(follow_symlinks=False):
-                    yield entry
+        try:
+            with os.scandir(stack.pop()) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(Path(entry.path))
+                    elif entry.is_file(follow_symlinks=False):
+                        try:
+                            st = entry.stat(follow_symlinks=False)
+                        except FileNotFoundError:
+                            continue
+                        yield entry, st
+        except FileNotFoundError:
+            continue
 
 
 def inspect_root(root: str | os.PathLike[str]) -> list[NamespaceUsage]:
@@ -95,11 +105,10 @@ def inspect_root(root: str | os.PathLike[str]) -> list[NamespaceUsage]:
             if not data_dir.is_dir():
                 continue
             usage.ranks.append(data_dir.name)
-            for entry in _block_files(data_dir):
+            for entry, st in _block_files(data_dir):
                 if entry.name.endswith(".tmp"):
                     usage.temp_files += 1
                     continue
-                st = entry.stat(follow_symlinks=False)
                 usage.blocks += 1
                 usage.bytes += st.st_size
                 usage.oldest = min(usage.oldest or st.st_mtime, st.st_mtime)
@@ -150,8 +159,7 @@ def purge_root(
     result = PurgeResult()
     for name in chosen:
         for data_dir in sorted(base.glob(f"{name}_r*")):
-            for entry in _block_files(data_dir):
-                st = entry.stat(follow_symlinks=False)
+            for entry, st in _block_files(data_dir):
                 if older_than_s is not None and st.st_mtime > limit:
                     continue
                 try:

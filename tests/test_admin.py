@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcascade._admin import inspect_root, parse_age
+from kvcascade._admin import inspect_root, parse_age, purge_root
 from kvcascade.replay.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -135,6 +135,54 @@ def test_inspect_into_a_closed_pipe_exits_quietly(root: Path) -> None:
     finally:
         os.close(write)
     assert (proc.returncode, proc.stderr) == (128 + signal.SIGPIPE, "")
+
+
+def test_inspect_and_purge_beside_a_running_engine(tmp_path: Path) -> None:
+    """An operator's ``kvcascade purge DIR --all`` while an engine stored into DIR failed with
+    ``kvcascade: error: [Errno 2] No such file or directory: '…/<hex>.bin_<pid>_<n>.tmp'`` and
+    left most files: the engine renamed a temp file between the listing and its ``stat``. Here
+    a real replay (a small CPU tier: every block goes to the fs tier) runs while inspect and
+    purge walk its namespace in a loop — a purge of old blocks (none is old: it stats every
+    file and removes nothing) and, once, of everything. None may raise; the engine creates
+    its namespace again, serves no wrong byte and leaves no temp file (docs/fs-tier.md,
+    *Inspecting and purging a root*)."""
+    root = tmp_path / "root"
+    report = tmp_path / "replay.json"
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    args = ["--requests", "800", "--cpu-blocks", "64", "--fs-dir", str(root), "--quiet"]
+    replay = subprocess.Popen(
+        [sys.executable, "-m", "kvcascade.replay.cli", "replay", *args, "--json", str(report)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    walks = 0
+    purged: list[int] = []
+    try:
+        while replay.poll() is None:
+            usages = inspect_root(root) if root.is_dir() else []
+            if not usages:
+                time.sleep(0.01)  # the engine has not written its namespace yet
+                continue
+            assert purge_root(root, older_than_s=3600.0).files == 0
+            walks += 1
+            if not purged and usages[0].blocks > 500:
+                purged.append(purge_root(root).files)
+    finally:
+        if replay.poll() is None:
+            replay.kill()
+        _, err = replay.communicate(timeout=120)
+    assert replay.returncode == 0, err
+    assert walks > 0 and purged and purged[0] > 500, (walks, purged)
+    assert "was removed while the tier ran (kvcascade purge?); created it again" in err, err
+    assert "could not save cache-policy state" not in err, err  # beside the new config.json
+    result = json.loads(report.read_text())
+    assert (result["mismatched_blocks"], result["corrupt_blocks"]) == (0, 0)
+    hits = result["hit_blocks"]
+    assert result["verified_blocks"] == hits["cpu"] + hits["fs"] > 0  # every load checked
+    assert inspect_root(root)[0].blocks > 0  # stored again after the purge
+    assert not list(root.rglob("*.tmp"))
 
 
 def test_parse_age() -> None:

@@ -246,6 +246,7 @@ class FileSystemTier(SecondaryTier):
         self.block_file_bytes = file_size(host.block_bytes)
         self._prefix = os.path.join(self.root, "")
         self.data_dir = self.root / mapper.namespace
+        self._config_path = self.root / mapper.config_relative_path()
         try:
             self._make_namespace()
         except OSError as exc:  # a read-only or foreign directory: say which tier it is
@@ -301,7 +302,11 @@ class FileSystemTier(SecondaryTier):
     def _recreate_namespace(self) -> None:
         """Create the namespace again after something removed it while the tier ran
         (``kvcascade purge --all`` or ``--namespace``, ``kvcascade/_admin.py``): without it
-        every later store failed with ``No such file or directory`` until a restart.
+        every later store failed with ``No such file or directory`` until a restart. Also when
+        only ``config.json`` went: a purge racing this tier's writes removes it but may leave
+        the data directory (``rmtree`` cannot remove a directory the tier writes into), and
+        block files without ``config.json`` are invisible to ``kvcascade inspect`` and
+        ``purge``, and the learned policy state could not be saved beside it.
 
         Raises:
             OSError, ConfigError: as :meth:`_make_namespace` (the store job fails with it).
@@ -315,7 +320,7 @@ class FileSystemTier(SecondaryTier):
         )
 
     def _write_config(self) -> None:
-        path = self.root / self.mapper.config_relative_path()
+        path = self._config_path
         path.parent.mkdir(mode=0o700, exist_ok=True)
         identity = self.mapper.run_config()
         try:
@@ -372,7 +377,7 @@ class FileSystemTier(SecondaryTier):
         found: list[tuple[int, bytes, int]] = []
         stale = 0
         now = time.time()
-        config_dir = (self.root / self.mapper.config_relative_path()).parent
+        config_dir = self._config_path.parent
         for entry in _entries(config_dir, dirs=False):
             if entry.name.endswith(".tmp") and self._is_stale_temp(entry, now):
                 _unlink_quietly(entry.path)
@@ -518,7 +523,7 @@ class FileSystemTier(SecondaryTier):
             TransferError: some blocks failed (:meth:`_store_failed`).
             TimeoutError: the job passed its deadline (its result is discarded).
         """
-        if not self.data_dir.is_dir():  # one stat a job
+        if not (self.data_dir.is_dir() and self._config_path.is_file()):  # two stats a job
             self._recreate_namespace()
         ext = self._compiled(rows)
         if ext is None:
