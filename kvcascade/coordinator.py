@@ -141,7 +141,11 @@ class TieringCoordinator:
         self._jobs: dict[int, tuple[TransferJob, int, asyncio.Future[JobResult]]] = {}
         self._pending_promotions: list[dict[str, _PendingPromotion]] = [{} for _ in self.tiers]
         self._polled_this_step = False
+        # The latest use of each request id; a finished one stays until its stores are done.
         self._req_state: dict[str, _RequestState] = {}
+        # Finished uses of an id that a new use replaced while their stores were in flight
+        # (oldest first): a completing store is theirs first (_storing_state).
+        self._finishing: dict[str, list[_RequestState]] = {}
         self.writes = PendingWrites(primary, pending_write_timeout_s)
         # Keys still being written → the requests waiting to send them to request-level tiers.
         self._awaiting: dict[bytes, list[_RequestState]] = {}
@@ -545,11 +549,11 @@ class TieringCoordinator:
         request-level tiers of every request that offered them meanwhile; forget the others."""
         if not self._awaiting:
             return
-        affected: dict[str, tuple[_RequestState, list[bytes]]] = {}
+        affected: dict[int, tuple[_RequestState, list[bytes]]] = {}
         for key in keys:
             for state in self._awaiting.pop(key, ()):
                 del state.awaiting_writes[key]
-                ready = affected.setdefault(state.ctx.req_id, (state, []))[1]
+                ready = affected.setdefault(id(state), (state, []))[1]
                 block = self.primary.get_block(key)
                 if block is not None and block.is_ready:
                     ready.append(key)
@@ -574,7 +578,7 @@ class TieringCoordinator:
             for idx in range(len(self.tiers)):
                 self.cascade(ready, ctx, idx)
         self._send_awaited_writes(keys)
-        state = self._req_state.get(ctx.req_id)
+        state = self._storing_state(ctx.req_id)
         if state is not None and state.pending_primary_stores > 0:
             state.pending_primary_stores -= 1
             self._maybe_finalize(state)
@@ -595,10 +599,24 @@ class TieringCoordinator:
 
     # -- request lifecycle ---------------------------------------------------------------
     def _state(self, ctx: ReqContext) -> _RequestState:
+        """The open state of ``ctx``'s request; a new one for a new use of a finished request's
+        id (or context), as the primary tier starts a new record (docs/cpu-tier.md). The
+        finished use keeps its own state until its stores are done: a new use that took it
+        over lost its lookup pins when the old store landed, and its slots stayed pinned."""
         state = self._req_state.get(ctx.req_id)
-        if state is None:
+        if state is None or state.is_finished:
+            if state is not None:
+                self._finishing.setdefault(ctx.req_id, []).append(state)
             state = self._req_state[ctx.req_id] = _RequestState(ctx)
         return state
+
+    def _storing_state(self, req_id: str) -> _RequestState | None:
+        """The use of ``req_id`` a completing primary store belongs to: the oldest finished use
+        still waiting for a store, else the latest use."""
+        for state in self._finishing.get(req_id, ()):
+            if state.pending_primary_stores > 0:
+                return state
+        return self._req_state.get(req_id)
 
     def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
         """First sight of a request; REQUEST_LEVEL if any tier asks for it (vLLM's
@@ -618,6 +636,9 @@ class TieringCoordinator:
         pending stores are done. Also right for an aborted or cancelled request.
         """
         self.primary.on_request_finished(ctx)
+        state = self._req_state.get(ctx.req_id)
+        if state is not None and state.is_finished:
+            return  # finished again (an abort after the finish): nothing is left to release
         state = self._state(ctx)
         state.is_finished = True
         self.release_lookup_pins(ctx)
@@ -650,7 +671,13 @@ class TieringCoordinator:
         if state.is_finished and state.pending_primary_stores == 0 and not state.awaiting_writes:
             for tier in self.tiers:
                 tier.on_request_finished(state.ctx)
-            self._req_state.pop(state.ctx.req_id, None)
+            req_id = state.ctx.req_id
+            if self._req_state.get(req_id) is state:
+                del self._req_state[req_id]
+            elif state in (older := self._finishing.get(req_id, [])):
+                older.remove(state)
+                if not older:
+                    del self._finishing[req_id]
 
     # -- step ------------------------------------------------------------------------------
     def on_schedule_end(
@@ -732,7 +759,8 @@ class TieringCoordinator:
         for per_req in self._pending_promotions:
             per_req.clear()
         self._awaiting.clear()
-        for state in list(self._req_state.values()):
+        finishing = [s for states in self._finishing.values() for s in states]
+        for state in [*finishing, *self._req_state.values()]:
             state.pending_primary_stores = 0
             state.lookup_pins.clear()
             state.awaiting_writes.clear()

@@ -2,7 +2,10 @@
 tiers whose jobs complete, fail part-way or stall at random, driven through the synchronous
 hooks. After every step: no ref count below -1 (not ready), every block pinned by the test is
 still present and readable, slots are conserved, nothing leaks after ``reset_cache``, and every
-byte a load delivered equals what was stored under that key."""
+byte a load delivered equals what was stored under that key. A GPU→CPU store may stay in flight
+across its request's finish and the next use of the same context (vLLM's order: a request
+finishes before its last stores land); once every request finished and every job was observed,
+no block may stay pinned."""
 
 from __future__ import annotations
 
@@ -70,6 +73,8 @@ class CoordinatorModel(RuleBasedStateMachine):
         self.ctx = {r: kc.ReqContext(r) for r in REQS}
         self.loads: dict[str, list[bytes]] = {r: [] for r in REQS}  # keys pinned by prepare_load
         self.looked_up: dict[str, set[bytes]] = {r: set() for r in REQS}  # HIT (lookup pins)
+        # GPU→CPU stores prepared and not completed yet: (context, keys)
+        self.in_flight: list[tuple[kc.ReqContext, list[bytes]]] = []
         for r in REQS:
             self.coord.on_new_request(self.ctx[r])
 
@@ -89,6 +94,45 @@ class CoordinatorModel(RuleBasedStateMachine):
         for key, slot in zip(out.keys_to_store, out.store_spec.block_ids):
             self.host.row(int(slot))[:] = payload(key)
         self.coord.complete_store(out.keys_to_store, ctx, success=ok)
+
+    @rule(req=st.sampled_from(REQS), keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3))
+    def start_store(self, req: str, keys: list[bytes]) -> None:
+        ctx = self.ctx[req]
+        out = self.coord.prepare_store(keys, ctx)
+        if out is None or not out.keys_to_store:
+            return
+        for key, slot in zip(out.keys_to_store, out.store_spec.block_ids):
+            self.host.row(int(slot))[:] = payload(key)
+        self.in_flight.append((ctx, list(out.keys_to_store)))
+
+    @precondition(lambda self: self.in_flight)
+    @rule(i=st.integers(0, 7), ok=st.booleans())
+    def land_store(self, i: int, ok: bool) -> None:
+        ctx, keys = self.in_flight.pop(i % len(self.in_flight))
+        self.coord.complete_store(keys, ctx, success=ok)
+
+    @rule()
+    def quiesce(self) -> None:
+        """Every store lands, every request finishes, every job is observed: no pin is left
+        (a later use of a finished request's context took over its state, and the old store's
+        landing dropped the new use's lookup pins: slots pinned for ever)."""
+        self.release_stalls()
+        while self.in_flight:
+            self.land_store(0, True)
+        for r in REQS:
+            self.complete_load(r)
+            self.coord.on_request_finished(self.ctx[r])
+            self.looked_up[r].clear()
+        for _ in range(2):  # finishing submits the queued promotions
+            for tier in self.tiers:
+                self.run(tier.drain())
+            self.coord.poll_now()
+        primary = self.primary
+        tracked = list(primary.policy.keys())
+        pinned = [k for k in tracked if primary.get_block(k).ref_cnt > 0]
+        assert not pinned, f"{len(pinned)} blocks pinned with no request alive"
+        for r in REQS:
+            self.coord.on_new_request(self.ctx[r])
 
     @rule(req=st.sampled_from(REQS), key=st.sampled_from(KEYS))
     def lookup(self, req: str, key: bytes) -> None:
@@ -136,7 +180,7 @@ class CoordinatorModel(RuleBasedStateMachine):
         self.looked_up[req].clear()
         self.coord.on_new_request(self.ctx[req])
 
-    @precondition(lambda self: not any(self.loads.values()))
+    @precondition(lambda self: not any(self.loads.values()) and not self.in_flight)
     @rule()
     def reset(self) -> None:
         self.release_stalls()
@@ -177,3 +221,24 @@ CoordinatorModel.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestCoordinatorModel = CoordinatorModel.TestCase
+
+
+def test_a_store_landing_after_its_request_finished_and_its_context_was_used_again() -> None:
+    """The model's rules in the order a break-it run found (vLLM's order: request ``b``
+    finishes while its GPU→CPU store is in flight, the context is used again and pins a primary
+    hit, the old store lands): the new use's lookup pin went with the old use's state and the
+    slot stayed pinned with no request alive."""
+    model = CoordinatorModel()
+    try:
+        model.store("a", [KEYS[0]], True)
+        model.step()
+        model.start_store("b", [KEYS[1]])
+        model.finish("b")
+        model.lookup("b", KEYS[0])
+        assert model.looked_up["b"] == {KEYS[0]}
+        model.land_store(0, True)
+        model.load("b")
+        model.complete_load("b")
+        model.quiesce()
+    finally:
+        model.teardown()
