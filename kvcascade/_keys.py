@@ -33,6 +33,24 @@ def make_offload_key(block_hash: bytes, group_idx: int) -> bytes:
     return bytes(block_hash) + group_idx.to_bytes(_GROUP_BYTES, "big")
 
 
+def check_offload_key(key: object) -> None:
+    """Refuse what cannot be an offload key, before it reaches any state: the hooks batch the
+    keys of many requests into one tier job, where one bad key failed the job of them all
+    (another request's lookups answered ``RETRY`` for ever).
+
+    Raises:
+        TypeError: ``key`` is not ``bytes`` (a str, an int, None, a bytearray).
+        ValueError: ``key`` has no block-hash bytes before its 4-byte group suffix.
+    """
+    if not isinstance(key, bytes):
+        raise TypeError(f"offload keys must be bytes, got {type(key).__name__} {key!r:.40}")
+    if len(key) <= _GROUP_BYTES:
+        raise ValueError(
+            f"offload key too short ({len(key)} bytes: {key!r:.40}); build keys with "
+            "kvcascade.make_offload_key(block_hash, group_idx)"
+        )
+
+
 def split_offload_key(key: bytes) -> tuple[bytes, int]:
     """Inverse of :func:`make_offload_key`: ``(block_hash, group_idx)``.
 

@@ -24,7 +24,7 @@ import torch
 
 from ._config import CascadeConfig
 from ._errors import TierUnavailableError
-from ._keys import _GROUP_BYTES
+from ._keys import check_offload_key
 from ._lifecycle import build_coordinator, serve_coordinator
 from ._types import OffloadingEvent, ReqContext
 from ._validate import is_int
@@ -367,13 +367,7 @@ def _check_request(keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Any = None) 
     if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Sequence):
         raise TypeError(f"keys must be a sequence of offload keys (bytes), got {keys!r:.80}")
     for key in keys:
-        if not isinstance(key, bytes):
-            raise TypeError(f"offload keys must be bytes, got {type(key).__name__} {key!r:.40}")
-        if len(key) <= _GROUP_BYTES:
-            raise ValueError(
-                f"offload key too short ({len(key)} bytes: {key!r:.40}); build keys with "
-                "kvcascade.make_offload_key(block_hash, group_idx)"
-            )
+        check_offload_key(key)
     if len(set(keys)) < len(keys):
         repeated = [k for k, n in collections.Counter(keys).items() if n > 1]
         raise ValueError(f"offload keys given more than once: {repeated[:4]!r:.200}")

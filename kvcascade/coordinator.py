@@ -34,6 +34,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from ._errors import BlockUnavailableError
+from ._keys import check_offload_key
 from ._pending_writes import PendingWrites
 from ._prefix_walk import walk_prefix
 from ._types import (
@@ -285,7 +286,13 @@ class TieringCoordinator:
         primary slot and queues a promotion (``HIT_PENDING``), or answers ``MISS`` when the
         primary is full; a ``RETRY`` anywhere (probe pending) answers ``RETRY``.
         ``verdicts`` (tier index → found) replaces the tiers' cached probes for asyncio callers.
+
+        Raises:
+            TypeError, ValueError: ``key`` is not an offload key
+                (:func:`kvcascade._keys.check_offload_key`), before anything changes; it would
+                fail the probe job it shares with other requests' keys.
         """
+        check_offload_key(key)
         self._poll()
         metrics = self.metrics
         metrics.series(metrics.block_queries, "0:primary").inc()
@@ -497,7 +504,13 @@ class TieringCoordinator:
         to those tiers now (one store job per tier); keys another writer is still writing are
         sent once that write lands, and the request is finalized only after. Nothing new
         is stored when the request is refused (:meth:`_admits_new_blocks`).
+
+        Raises:
+            TypeError, ValueError: a key is not an offload key
+                (:func:`kvcascade._keys.check_offload_key`), before anything changes.
         """
+        for key in keys:
+            check_offload_key(key)
         self._poll()
         new = sum(1 for k in keys if self.primary.get_block(k) is None)
         if not self._admits_new_blocks(ctx, new):

@@ -501,3 +501,35 @@ async def test_malformed_kv_transfer_params_are_served_as_unhinted(
         await cascade.load([key(1)], reader, [2])
         assert int(cascade.device.kv[2][0]) == 1
         cascade.finish_request(reader)
+
+
+@pytest.mark.parametrize("bad", ["not-bytes", 12345, None, b"ab", bytearray(12)])
+async def test_a_bad_key_in_the_hooks_fails_its_caller_not_another_request(tmp_path, bad) -> None:
+    """Through the synchronous hooks (``cascade.coordinator``, as a scheduler drives them) a
+    lookup of a key that is no offload key was accepted: the fs tier's probe job, which
+    batches the step's keys of every request, died on it (``TypeError`` in a task nobody
+    awaited), and another request's lookups of a block in the fs tier answered ``RETRY`` for
+    ever (found by a break-it run). Now the bad call raises, naming the key, and the other
+    request is served."""
+    tiers = [{"type": "fs", "root_dir": str(tmp_path)}]
+    cfg = kc.CascadeConfig(
+        block_bytes=64, gpu_blocks=8, cpu_blocks=2, secondary_tiers=tiers, model_name="m"
+    )
+    async with kc.open_cascade(cfg) as cascade:
+        await offload(cascade, [key(1)], [0])
+        assert cascade.coordinator.primary.get_block(key(1)) is None  # in the fs tier only
+        coord = cascade.coordinator
+        a, b = kc.ReqContext("a"), kc.ReqContext("b")
+        with pytest.raises((TypeError, ValueError), match="offload key"):
+            coord.lookup(bad, a)
+        with pytest.raises((TypeError, ValueError), match="offload key"):
+            coord.prepare_store([key(2), bad], a)
+        assert coord.primary.get_block(key(2)) is None  # refused before any state changed
+        seen = [coord.lookup(key(1), b)]
+        while seen[-1] is not kc.LookupResult.HIT and len(seen) < 50:
+            coord.on_schedule_end()
+            await asyncio.sleep(0.02)
+            seen.append(coord.lookup(key(1), b))
+        assert seen[-1] is kc.LookupResult.HIT, seen
+        coord.on_request_finished(a)
+        coord.on_request_finished(b)
