@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import pytest
@@ -674,3 +674,31 @@ async def test_primary_usage_gauges_are_live_between_polls() -> None:
         assert coord.metrics.value("primary_write_usage_perc") == 0.0
         assert coord.lookup(key(1), ctx) is R.HIT  # pinned for the request
         assert coord.metrics.value("primary_read_usage_perc") == 0.25
+
+
+class _ProbeDefectTier(kc.MemoryTier):
+    """A tier whose existence probe has a defect (an out-of-tree tier's ``KeyError``)."""
+
+    def _probe(self, keys: Sequence[bytes]) -> list[bool]:
+        raise KeyError("defect in the tier")
+
+
+async def test_a_probe_that_raises_answers_miss_not_retry_for_ever(caplog) -> None:
+    """A tier's probe raising an error ``contains`` does not answer itself killed the probe
+    batch (a task nobody awaited), and every lookup it held answered ``RETRY`` for ever: each
+    request's, since a batch holds the step's keys of all of them. Now the batch answers
+    ``MISS`` and the error is logged with the tier's name."""
+    host = kc.HostBuffer(2, 64)
+    tier = _ProbeDefectTier(host, name="broken")
+    async with running(tier):
+        coord = kc.TieringCoordinator(kc.CPUOffloadingManager(2), [tier])
+        a, b = kc.ReqContext("a"), kc.ReqContext("b")
+        assert coord.lookup(key(1), a) is R.RETRY
+        assert coord.lookup(key(2), b) is R.RETRY
+        coord.on_schedule_end()  # flush the probe
+        await tier._lookup.wait_probes()
+        assert (coord.lookup(key(1), a), coord.lookup(key(2), b)) == (R.MISS, R.MISS)
+        assert "tier broken: probe of 2 keys raised; answering MISS" in caplog.text
+        coord.on_request_finished(a)
+        coord.on_request_finished(b)
+    host.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,8 @@ from .._types import LookupResult, ReqContext
 
 if TYPE_CHECKING:
     from .base import SecondaryTier
+
+log = logging.getLogger(__name__)
 
 
 class _Verdict:
@@ -68,7 +71,17 @@ class AsyncLookup:
         task.add_done_callback(self._probes.discard)
 
     async def _probe(self, batch: Sequence[bytes]) -> None:
-        found = await self._tier.contains(batch)
+        """Post the batch's verdicts; MISS for all of them when the tier's probe raised an
+        error that ``contains`` does not answer itself (a defect of an out-of-tree tier): the
+        batch holds keys of every request of the step, whose lookups would otherwise answer
+        ``RETRY`` for ever."""
+        try:
+            found = await self._tier.contains(batch)
+        except Exception:
+            log.exception(
+                "tier %s: probe of %d keys raised; answering MISS", self._tier.name, len(batch)
+            )
+            found = [False] * len(batch)
         self._posted.append(list(zip(batch, found)))
 
     async def wait_probes(self) -> None:
