@@ -205,12 +205,14 @@ class Cascade:
 
         A source block that an unfinished :meth:`load` is filling is copied only after that load
         returns. Keys already present (or being written) are skipped. When the primary tier has
-        no evictable room, waits for in-flight cascades to release their pins and tries once
-        more; then the leading keys that fit are stored and the rest dropped (counted in
-        ``counters["store_dropped_blocks"]`` and in ``StoreResult.dropped``; the first drop is
-        logged as a warning). The cascade to secondary tiers
-        runs in the background. Cancelled while copying, the copy finishes and its outcome is
-        recorded.
+        no evictable room, applies the jobs finished since the last poll (a promotion that landed
+        for a request finished unread leaves its slot evictable; without this every store after
+        such a request was dropped until another call polled) and tries again, then waits for
+        in-flight cascades to release their pins and tries once more; then the leading keys
+        that fit are stored and the rest dropped (counted in ``counters["store_dropped_blocks"]``
+        and in ``StoreResult.dropped``; the first drop is logged as a warning). The cascade to
+        secondary tiers runs in the background. Cancelled while copying, the copy finishes and
+        its outcome is recorded.
 
         Raises:
             TypeError / ValueError: see :func:`_check_request` (bad keys, ctx or GPU ids).
@@ -220,6 +222,9 @@ class Cascade:
             await asyncio.wait(loads.values())
         coord = self.coordinator
         out = coord.prepare_store(keys, ctx)
+        if out is None:  # jobs that finished since the last poll may have freed room
+            coord.poll_now()
+            out = coord.prepare_store(keys, ctx)
         if out is None and (cascades := coord.job_futures(promotions=False)):
             await asyncio.wait(cascades)
             coord.poll_now()

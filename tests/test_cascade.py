@@ -533,3 +533,26 @@ async def test_a_bad_key_in_the_hooks_fails_its_caller_not_another_request(tmp_p
         assert seen[-1] is kc.LookupResult.HIT, seen
         coord.on_request_finished(a)
         coord.on_request_finished(b)
+
+
+async def test_store_after_a_lookup_whose_request_finished_unread() -> None:
+    """A request looked up a prefix held only in the secondary tier (its promotions reserved
+    every primary slot) and finished without loading it, as a client that goes away. Its
+    promotions landed, their slots evictable, but ``store`` saw them only after something
+    polled: every later store was dropped ("the CPU tier has no evictable room"; found by a
+    break-it run). Now a store that finds no room applies the finished jobs first."""
+    async with kc.open_cascade(config(cpu_blocks=4)) as cascade:
+        keys = [key(i) for i in range(4)]
+        await offload(cascade, keys, [0, 1, 2, 3])  # in the memory tier only
+        gone = kc.ReqContext("gone")
+        assert (await cascade.lookup_prefix(keys, gone)).num_hits == 4  # 4 slots reserved
+        cascade.finish_request(gone)  # submits the promotions, which land unread
+        await asyncio.wait(cascade.coordinator.job_futures())
+        writer = kc.ReqContext("next")
+        new = [key(100 + i) for i in range(4)]
+        result = await cascade.store(new, writer, [4, 5, 6, 7])
+        assert (result.stored, result.dropped) == (new, 0)
+        assert cascade.counters["store_dropped_blocks"] == 0
+        cascade.finish_request(writer)
+        await cascade.wait_cascades()
+        assert_idle(cascade)
