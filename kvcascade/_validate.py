@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import math
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any, TypeGuard
 
@@ -80,3 +81,36 @@ def config_seconds(cfg: Mapping[str, Any], key: str, default: float, what: str) 
     if not is_number(value) or not value > 0:
         raise ConfigError(f"{what} {key} must be a number > 0 (seconds), got {value!r}")
     return float(value)
+
+
+def display_url(url: str, what: str) -> str:
+    """``url`` without user-info or query (never a credential), for messages and reports.
+
+    Raises:
+        ConfigError: ``url`` does not parse (``redis://[::1``) or its port is not a number in
+            0–65535 (``redis://host:abc``), naming ``what`` and the URL without what precedes
+            an ``@``; ``urllib`` raised a bare ``ValueError`` naming neither.
+    """
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"{what} {url.rpartition('@')[2]!r} is not a valid URL ({exc})") from None
+    host = parts.hostname or ""
+    if port is not None:
+        host = f"{host}:{port}"
+    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def http_endpoint(url: str, what: str) -> str:
+    """:func:`display_url` of an ``http://`` or ``https://`` endpoint with a host.
+
+    Raises:
+        ConfigError: as :func:`display_url`, or another scheme or no host
+            (``127.0.0.1:9000``: botocore's bare ``ValueError: Invalid endpoint``).
+    """
+    shown = display_url(url, what)
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{what} must be http:// or https://HOST[:PORT], got {shown!r}")
+    return shown

@@ -13,6 +13,8 @@ import re
 from typing import Any
 
 from .._errors import ConfigError
+from .._validate import http_endpoint, is_int
+from ._block_format import file_size
 
 BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 """A bucket name S3 accepts: 3–63 lowercase letters, digits, dots and hyphens, starting and
@@ -33,11 +35,22 @@ def check_bucket_name(bucket: object) -> str:
 
 def check_s3_bucket_config(cfg: dict[str, Any], block_bytes: int) -> None:
     """The check of an s3 ``secondary_tiers`` entry at :class:`~kvcascade.CascadeConfig`
-    construction: its ``bucket``, when given (a missing one is refused by the tier's factory,
-    with the other keys).
+    construction, before any tier exists (an fs tier before it would have created its
+    directories): its ``bucket``, ``endpoint_url`` and a ``max_bytes`` below one block object,
+    when given (a missing bucket and the other keys are refused by the tier's factory).
 
     Raises:
-        ConfigError: see :func:`check_bucket_name`.
+        ConfigError: see :func:`check_bucket_name` and
+            :func:`kvcascade._validate.http_endpoint`; ``max_bytes`` (an int) cannot hold one
+            block object, which made every store to the tier fail.
     """
     if cfg.get("bucket") is not None:
         check_bucket_name(cfg["bucket"])
+    if isinstance(cfg.get("endpoint_url"), str):
+        http_endpoint(cfg["endpoint_url"], "s3 tier endpoint_url")
+    limit, size = cfg.get("max_bytes"), file_size(block_bytes)
+    if is_int(limit) and 0 < limit < size:
+        raise ConfigError(
+            f"s3 tier max_bytes={limit} cannot hold one block object ({size} B for "
+            f"{block_bytes} B blocks)"
+        )

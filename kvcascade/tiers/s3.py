@@ -70,7 +70,6 @@ import datetime
 import functools
 import logging
 import math
-import urllib.parse
 import zlib
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -97,7 +96,7 @@ from .._errors import (
     TierUnavailableError,
     TransferError,
 )
-from .._validate import config_int, config_seconds, is_number
+from .._validate import config_int, config_seconds, http_endpoint, is_number
 from ._backend import Backend, Meaning, NotFoundError
 from ._block_format import (
     HEADER_BYTES,
@@ -236,14 +235,15 @@ def _crc32(pieces: Sequence[memoryview]) -> str:
 
 
 def _display_endpoint(endpoint_url: str | None, region: str | None) -> str:
-    """The endpoint for messages: without any user-info part (never a credential)."""
+    """The endpoint for messages: without any user-info part (never a credential).
+
+    Raises:
+        ConfigError: ``endpoint_url`` is no ``http(s)://HOST[:PORT]`` URL
+            (:func:`kvcascade._validate.http_endpoint`).
+    """
     if endpoint_url is None:
         return f"AWS S3 ({region or 'default region'})"
-    parts = urllib.parse.urlsplit(endpoint_url)
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
+    return http_endpoint(endpoint_url, "s3 tier endpoint_url")
 
 
 def _s3_session() -> aiobotocore.session.AioSession:

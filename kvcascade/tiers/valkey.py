@@ -80,7 +80,7 @@ from .._errors import (
     TierUnavailableError,
     TransferError,
 )
-from .._validate import config_int, config_seconds
+from .._validate import config_int, config_seconds, display_url
 from ._backend import Backend, Meaning, NotFoundError
 from ._block_format import (
     HEADER_BYTES,
@@ -215,15 +215,6 @@ def _value_buffer(nbytes: int) -> memoryview:
     return memoryview(mmap.mmap(-1, nbytes))
 
 
-def _display_url(url: str) -> str:
-    """``url`` without user-info or query (never a credential) for messages."""
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
-
-
 def _client_url(url: str) -> str:
     """``url`` in the scheme the client reads.
 
@@ -233,18 +224,17 @@ def _client_url(url: str) -> str:
     """
     if not isinstance(url, str) or not url:
         raise ConfigError(f"valkey tier url must be a non-empty string, got {url!r}")
+    shown = display_url(url, "valkey tier url")
     parts = urllib.parse.urlsplit(url)
     if parts.password is not None or "password" in urllib.parse.parse_qs(parts.query):
-        raise ConfigError(
-            f"valkey tier url {_display_url(url)!r} holds a password: give it as 'password'"
-        )
+        raise ConfigError(f"valkey tier url {shown!r} holds a password: give it as 'password'")
     if parts.scheme == "unix":
         return url
     scheme = _SCHEMES.get(parts.scheme)
     if scheme is None or not parts.hostname:
         raise ConfigError(
             f"valkey tier url must be redis://, rediss://, valkey://, valkeys:// HOST[:PORT] "
-            f"or unix://PATH, got {_display_url(url)!r}"
+            f"or unix://PATH, got {shown!r}"
         )
     return urllib.parse.urlunsplit((scheme, *parts[1:]))
 
@@ -317,7 +307,7 @@ class ValkeyTier(SecondaryTier):
             )
         self.mapper = mapper
         self._auth = auth
-        self.url = _display_url(url)
+        self.url = display_url(url, "valkey tier url")
         self.cluster = cluster
         self.prefix = prefix.strip("/")
         self.value_bytes = file_size(host.block_bytes)

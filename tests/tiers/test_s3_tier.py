@@ -405,6 +405,34 @@ def test_bad_bucket_name_is_refused_when_the_config_is_built(
         S3Tier(host, FileMapper(default_identity("test-model")), name)
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"endpoint_url": "http://127.0.0.1:abc"}, "'http://127.0.0.1:abc' is not a valid URL"),
+        ({"endpoint_url": "http://127.0.0.1:99999"}, "is not a valid URL (Port out of range"),
+        ({"endpoint_url": "127.0.0.1:9000"}, "must be http:// or https://HOST[:PORT], got '127"),
+        ({"max_bytes": 4096}, "max_bytes=4096 cannot hold one block object (8192 B for 4096 B"),
+    ],
+)
+def test_bad_endpoint_or_max_bytes_is_refused_when_the_config_is_built(
+    tmp_path, extra: dict, message: str
+) -> None:
+    """A malformed ``endpoint_url`` reached open_cascade as urllib's or botocore's bare
+    ``ValueError`` (naming neither the tier nor the key), and a ``max_bytes`` below one block
+    object was accepted and failed every store; an fs tier before the s3 tier had created its
+    directories by then (found by a break-it run). Now the CascadeConfig refuses both, naming
+    the value, before anything exists."""
+    cfg = {"type": "s3", **tier_config("http://127.0.0.1:9", "kv-bucket"), **extra}
+    with pytest.raises(kc.ConfigError, match=re.escape(message)):
+        kc.CascadeConfig(
+            block_bytes=4096,
+            cpu_blocks=4,
+            model_name="test-model",
+            secondary_tiers=[{"type": "fs", "root_dir": str(tmp_path / "fs")}, cfg],
+        )
+    assert not (tmp_path / "fs").exists()
+
+
 @pytest.mark.parametrize("name", ["abc", "a" * 63, "my.bucket-2", "0kv"])
 def test_good_bucket_names_are_accepted(name: str) -> None:
     cfg = tier_config("http://127.0.0.1:9", name)

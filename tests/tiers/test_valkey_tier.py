@@ -106,6 +106,11 @@ def test_config_errors_name_the_bad_value_and_never_the_password(
         ({"url": "redis://h:1", "max_concurrency": 0}, "max_concurrency must be .*got 0"),
         ({"url": "redis://h:1", "timeout_s": -1}, "timeout_s must be .*got -1"),
         ({"url": "redis://h:1", "max_attempts": True}, "max_attempts must be .*got True"),
+        # urllib's bare ValueErrors, which named neither the tier, the key nor the URL
+        ({"url": "redis://h:abc"}, r"url 'redis://h:abc' is not a valid URL \(Port could not"),
+        ({"url": "redis://h:99999"}, r"url 'redis://h:99999' is not a valid URL \(Port out"),
+        ({"url": "redis://[::1"}, r"url 'redis://\[::1' is not a valid URL \(Invalid IPv6"),
+        ({"url": f"redis://u:{PASSWORD}@h:abc"}, r"url 'h:abc' is not a valid URL"),
     ]:
         with pytest.raises(kc.ConfigError, match=message) as info:
             valkey_tier_from_config(host, mapper, cfg)
