@@ -33,11 +33,27 @@ def check_bucket_name(bucket: object) -> str:
     return bucket
 
 
+REGION_NAME = re.compile(r"[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?")
+"""A region name botocore accepts (its ``InvalidRegionError`` rule)."""
+
+
+def check_region(region: object) -> None:
+    """Refuse a ``region`` botocore would refuse at client creation with its own
+    ``InvalidRegionError`` (not a kvcascade error, escaping ``open_cascade``).
+
+    Raises:
+        ConfigError: ``region`` is not None and not a region name (the value is named).
+    """
+    if region is not None and not (isinstance(region, str) and REGION_NAME.fullmatch(region)):
+        raise ConfigError(f"s3 tier region {region!r} is not a region name (e.g. us-east-1)")
+
+
 def check_s3_bucket_config(cfg: dict[str, Any], block_bytes: int) -> None:
     """The check of an s3 ``secondary_tiers`` entry at :class:`~kvcascade.CascadeConfig`
     construction, before any tier exists (an fs tier before it would have created its
-    directories): its ``bucket``, ``endpoint_url`` and a ``max_bytes`` below one block object,
-    when given (a missing bucket and the other keys are refused by the tier's factory).
+    directories): its ``bucket``, ``region``, ``endpoint_url`` and a ``max_bytes`` below one
+    block object, when given (a missing bucket and the other keys are refused by the tier's
+    factory).
 
     Raises:
         ConfigError: see :func:`check_bucket_name` and
@@ -46,6 +62,7 @@ def check_s3_bucket_config(cfg: dict[str, Any], block_bytes: int) -> None:
     """
     if cfg.get("bucket") is not None:
         check_bucket_name(cfg["bucket"])
+    check_region(cfg.get("region"))
     if isinstance(cfg.get("endpoint_url"), str):
         http_endpoint(cfg["endpoint_url"], "s3 tier endpoint_url")
     limit, size = cfg.get("max_bytes"), file_size(block_bytes)

@@ -107,7 +107,7 @@ from ._block_format import (
     encode_header,
     file_size,
 )
-from ._bucket_name import BUCKET_RULE, check_bucket_name
+from ._bucket_name import BUCKET_RULE, check_bucket_name, check_region
 from ._capacity import CapacityIndex
 from ._file_mapper import FileMapper
 from .base import PROBE_TIMEOUT_S, SecondaryTier, gather_blocks
@@ -374,8 +374,12 @@ class S3Tier(SecondaryTier):
             )
         if max_attempts < 1 or multipart_threshold_bytes < 1:
             raise ConfigError("s3 max_attempts and multipart_threshold_bytes must be >= 1")
-        if not connect_timeout_s > 0 or not read_timeout_s > 0:
-            raise ConfigError("s3 connect_timeout_s and read_timeout_s must be > 0")
+        if not 0 < connect_timeout_s < math.inf or not read_timeout_s > 0:
+            raise ConfigError(
+                "s3 tier connect_timeout_s must be > 0 and finite and read_timeout_s > 0, got "
+                f"{connect_timeout_s!r} and {read_timeout_s!r}"
+            )
+        check_region(region)
         if max_bytes is not None and max_bytes <= 0:
             raise ConfigError(f"s3 tier max_bytes must be > 0, got {max_bytes}")
         if not is_number(orphan_upload_age_s) or not 0 <= orphan_upload_age_s < math.inf:

@@ -12,6 +12,7 @@ import base64
 import collections
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -412,6 +413,7 @@ def test_bad_bucket_name_is_refused_when_the_config_is_built(
         ({"endpoint_url": "http://127.0.0.1:99999"}, "is not a valid URL (Port out of range"),
         ({"endpoint_url": "127.0.0.1:9000"}, "must be http:// or https://HOST[:PORT], got '127"),
         ({"max_bytes": 4096}, "max_bytes=4096 cannot hold one block object (8192 B for 4096 B"),
+        ({"region": "us east 1"}, "region 'us east 1' is not a region name"),  # botocore's own
     ],
 )
 def test_bad_endpoint_or_max_bytes_is_refused_when_the_config_is_built(
@@ -431,6 +433,13 @@ def test_bad_endpoint_or_max_bytes_is_refused_when_the_config_is_built(
             secondary_tiers=[{"type": "fs", "root_dir": str(tmp_path / "fs")}, cfg],
         )
     assert not (tmp_path / "fs").exists()
+
+
+def test_an_infinite_connect_timeout_is_refused_naming_it(host: kc.HostBuffer) -> None:
+    """``connect_timeout_s=inf`` passed the ``> 0`` check, and a healthy endpoint was then
+    reported ``not reachable`` at start-up (found by a break-it run)."""
+    with pytest.raises(kc.ConfigError, match=r"connect_timeout_s must be > 0 and finite.*got inf"):
+        S3Tier(host, FileMapper(default_identity("m")), "kv-bucket", connect_timeout_s=math.inf)
 
 
 @pytest.mark.parametrize("name", ["abc", "a" * 63, "my.bucket-2", "0kv"])
