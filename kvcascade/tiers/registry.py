@@ -147,8 +147,9 @@ def resolve_tier_factory(tier_cfg: dict[str, Any]) -> TierFactory:
 # Checks of a type's keys that need no I/O, run when a CascadeConfig is built.
 _CHECKS: dict[str, str] = {
     "fs": "kvcascade.tiers.fs:check_fs_tier_config",
-    "s3": "kvcascade.tiers._bucket_name:check_s3_bucket_config",
-    "obj": "kvcascade.tiers._bucket_name:check_s3_bucket_config",
+    "s3": "kvcascade.tiers._s3_config:s3_tier_options",
+    "obj": "kvcascade.tiers._s3_config:s3_tier_options",
+    "valkey": "kvcascade.tiers._valkey_config:valkey_tier_options",
 }
 
 
@@ -159,8 +160,9 @@ def check_tier_config(tier_cfg: dict[str, Any], block_bytes: int) -> None:
 
     Raises:
         ConfigError: see :func:`resolve_tier_factory` and the type's checker (e.g.
-            :func:`kvcascade.tiers.fs.check_fs_tier_config`, an s3 tier's bucket name:
-            :func:`kvcascade.tiers._bucket_name.check_s3_bucket_config`).
+            :func:`kvcascade.tiers.fs.check_fs_tier_config`,
+            :func:`kvcascade.tiers._s3_config.s3_tier_options`,
+            :func:`kvcascade.tiers._valkey_config.valkey_tier_options`).
     """
     _, kwargs = _factory_and_kwargs(tier_cfg, None)
     check = _CHECKS.get(tier_cfg["type"]) if not tier_cfg.get("module_path") else None

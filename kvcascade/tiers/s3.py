@@ -69,7 +69,6 @@ import contextlib
 import datetime
 import functools
 import logging
-import math
 import zlib
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -90,26 +89,24 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from .._errors import (
-    ConfigError,
     CorruptBlockError,
     KVCascadeError,
     TierUnavailableError,
     TransferError,
 )
-from .._validate import config_int, config_seconds, http_endpoint, is_number
+from .._validate import http_endpoint
 from ._backend import Backend, Meaning, NotFoundError
 from ._block_format import (
     HEADER_BYTES,
-    SECRET_KEYS,
     BlockAuth,
     block_auth,
     check_block,
     encode_header,
     file_size,
 )
-from ._bucket_name import BUCKET_RULE, check_bucket_name, check_region
 from ._capacity import CapacityIndex
 from ._file_mapper import FileMapper
+from ._s3_config import BUCKET_RULE, s3_tier_options
 from .base import PROBE_TIMEOUT_S, SecondaryTier, gather_blocks
 from .cpu import HostBuffer
 
@@ -331,8 +328,8 @@ class S3Tier(SecondaryTier):
         probe_timeout_s: deadline of one existence probe in seconds; past it the probe answers
             MISS (:class:`~kvcascade.tiers.base.SecondaryTier`).
 
-    Raises:
-        ConfigError: a value out of range (named, with the value).
+    The values are those :func:`~kvcascade.tiers._s3_config.s3_tier_options` checked: build the
+    tier with :func:`s3_tier_from_config` (or through a ``CascadeConfig``), not directly.
     """
 
     def __init__(
@@ -367,26 +364,6 @@ class S3Tier(SecondaryTier):
             max_queued_jobs=max_queued_jobs,
             probe_timeout_s=probe_timeout_s,
         )
-        check_bucket_name(bucket)
-        if addressing_style not in ("auto", "path", "virtual"):
-            raise ConfigError(
-                f"s3 addressing_style must be auto, path or virtual, not {addressing_style!r}"
-            )
-        if max_attempts < 1 or multipart_threshold_bytes < 1:
-            raise ConfigError("s3 max_attempts and multipart_threshold_bytes must be >= 1")
-        if not 0 < connect_timeout_s < math.inf or not read_timeout_s > 0:
-            raise ConfigError(
-                "s3 tier connect_timeout_s must be > 0 and finite and read_timeout_s > 0, got "
-                f"{connect_timeout_s!r} and {read_timeout_s!r}"
-            )
-        check_region(region)
-        if max_bytes is not None and max_bytes <= 0:
-            raise ConfigError(f"s3 tier max_bytes must be > 0, got {max_bytes}")
-        if not is_number(orphan_upload_age_s) or not 0 <= orphan_upload_age_s < math.inf:
-            raise ConfigError(
-                "s3 tier orphan_upload_age_s must be a number >= 0 (seconds), "
-                f"got {orphan_upload_age_s!r}"
-            )
         self.mapper = mapper
         self._auth = auth
         self.bucket = bucket
@@ -786,32 +763,6 @@ class S3Tier(SecondaryTier):
         return True
 
 
-_CONFIG_KEYS = {
-    "bucket",
-    "endpoint_url",
-    "region",
-    "prefix",
-    "access_key",
-    "secret_key",
-    "session_token",
-    "addressing_style",
-    "max_concurrency",
-    "connect_timeout_s",
-    "read_timeout_s",
-    "max_attempts",
-    "multipart_threshold_bytes",
-    "max_bytes",
-    "orphan_upload_age_s",
-    "cache_salt",
-    "name",
-    "io_timeout_s",
-    "max_queued_jobs",
-    *SECRET_KEYS,
-    "probe_timeout_s",
-}
-_SECRET_KEYS = ("access_key", "secret_key", "session_token")
-
-
 def s3_tier_from_config(host: HostBuffer, mapper: FileMapper, cfg: dict[str, Any]) -> S3Tier:
     """Build an s3 tier from a ``secondary_tiers`` entry (``type`` already removed).
 
@@ -828,61 +779,16 @@ def s3_tier_from_config(host: HostBuffer, mapper: FileMapper, cfg: dict[str, Any
     :func:`~kvcascade.tiers._block_format.block_auth`; default none).
 
     Raises:
-        ConfigError: missing ``bucket``, an unknown key (named, never its value), a value of the
-            wrong type or range, only one of ``access_key``/``secret_key``, or a secret that
-            cannot be read (:func:`~kvcascade.tiers._block_format.block_auth`).
+        ConfigError: see :func:`~kvcascade.tiers._s3_config.s3_tier_options` (every key and
+            value, checked again here for a tier built without a ``CascadeConfig``), or a
+            secret that cannot be read (:func:`~kvcascade.tiers._block_format.block_auth`).
     """
-    unknown = sorted(set(cfg) - _CONFIG_KEYS)
-    if unknown:
-        raise ConfigError(f"unknown s3 tier keys {unknown}; known: {sorted(_CONFIG_KEYS)}")
-    for key in (
-        "bucket",
-        "endpoint_url",
-        "region",
-        "prefix",
-        "addressing_style",
-        "cache_salt",
-        "name",
-        *_SECRET_KEYS,
-    ):
-        if cfg.get(key) is not None and not isinstance(cfg[key], str):
-            shown = "a secret" if key in _SECRET_KEYS else repr(cfg[key])
-            raise ConfigError(f"s3 tier {key} must be a string, got {shown}")
-    if not cfg.get("bucket"):
-        raise ConfigError("s3 tier needs 'bucket' (the bucket name)")
-
-    def integer(key: str, default: int) -> int:
-        return config_int(cfg, key, default, "s3 tier")
-
-    def seconds(key: str, default: float) -> float:
-        return config_seconds(cfg, key, default, "s3 tier")
-
-    access, secret = cfg.get("access_key"), cfg.get("secret_key")
-    if bool(access) != bool(secret):
-        raise ConfigError("s3 tier needs both access_key and secret_key, or neither")
-    credentials = _Credentials(access, secret, cfg.get("session_token")) if access else None
+    options = s3_tier_options(cfg, host.block_bytes)
+    access = cfg.get("access_key")
+    credentials = (
+        _Credentials(access, cfg["secret_key"], cfg.get("session_token")) if access else None
+    )
     if cfg.get("cache_salt"):
         mapper = mapper.with_salt(cfg["cache_salt"])
     auth = block_auth(cfg, "s3 tier", mapper.namespace)
-    return S3Tier(
-        host,
-        mapper,
-        cfg["bucket"],
-        endpoint_url=cfg.get("endpoint_url"),
-        region=cfg.get("region"),
-        prefix=cfg.get("prefix") or "",
-        credentials=credentials,
-        addressing_style=cfg.get("addressing_style") or "auto",
-        max_concurrency=integer("max_concurrency", 16),
-        connect_timeout_s=seconds("connect_timeout_s", 5.0),
-        read_timeout_s=seconds("read_timeout_s", 30.0),
-        max_attempts=integer("max_attempts", 3),
-        multipart_threshold_bytes=integer("multipart_threshold_bytes", 8 * 1024 * 1024),
-        max_bytes=integer("max_bytes", 0) if cfg.get("max_bytes") is not None else None,
-        orphan_upload_age_s=cfg.get("orphan_upload_age_s", 3600.0),
-        name=cfg.get("name") or "s3",
-        io_timeout_s=seconds("io_timeout_s", 30.0),
-        max_queued_jobs=integer("max_queued_jobs", 1024),
-        auth=auth,
-        probe_timeout_s=seconds("probe_timeout_s", PROBE_TIMEOUT_S),
-    )
+    return S3Tier(host, mapper, credentials=credentials, auth=auth, **options)

@@ -59,7 +59,6 @@ import contextlib
 import functools
 import logging
 import mmap
-import urllib.parse
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -74,17 +73,15 @@ from redis.backoff import ExponentialBackoff
 from redis.utils import check_protocol_version
 
 from .._errors import (
-    ConfigError,
     CorruptBlockError,
     KVCascadeError,
     TierUnavailableError,
     TransferError,
 )
-from .._validate import config_int, config_seconds, display_url
+from .._validate import display_url
 from ._backend import Backend, Meaning, NotFoundError
 from ._block_format import (
     HEADER_BYTES,
-    SECRET_KEYS,
     BlockAuth,
     block_auth,
     check_block,
@@ -92,6 +89,7 @@ from ._block_format import (
     file_size,
 )
 from ._file_mapper import FileMapper
+from ._valkey_config import client_url, valkey_tier_options
 from .base import PROBE_TIMEOUT_S, SecondaryTier, gather_blocks
 from .cpu import HostBuffer
 
@@ -99,10 +97,6 @@ log = logging.getLogger(__name__)
 
 DOWN_RETRY_S = 1.0
 """Seconds an unreachable (or full) server is left alone before the next try."""
-_SCHEMES = {"redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss"}
-"""URL schemes accepted → the scheme the client reads (``unix://`` for one local server)."""
-
-
 _MEANINGS: tuple[tuple[type[BaseException], Meaning], ...] = (
     # Answered, but no: wrong password or ACL (a configuration error, not an outage).
     (rexc.AuthenticationError, Meaning.ANSWERED),
@@ -215,30 +209,6 @@ def _value_buffer(nbytes: int) -> memoryview:
     return memoryview(mmap.mmap(-1, nbytes))
 
 
-def _client_url(url: str) -> str:
-    """``url`` in the scheme the client reads.
-
-    Raises:
-        ConfigError: an unknown scheme, no host, or a password in the URL (give it as
-            ``password``: the URL is copied into replay reports and logs).
-    """
-    if not isinstance(url, str) or not url:
-        raise ConfigError(f"valkey tier url must be a non-empty string, got {url!r}")
-    shown = display_url(url, "valkey tier url")
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is not None or "password" in urllib.parse.parse_qs(parts.query):
-        raise ConfigError(f"valkey tier url {shown!r} holds a password: give it as 'password'")
-    if parts.scheme == "unix":
-        return url
-    scheme = _SCHEMES.get(parts.scheme)
-    if scheme is None or not parts.hostname:
-        raise ConfigError(
-            f"valkey tier url must be redis://, rediss://, valkey://, valkeys:// HOST[:PORT] "
-            f"or unix://PATH, got {shown!r}"
-        )
-    return urllib.parse.urlunsplit((scheme, *parts[1:]))
-
-
 class ValkeyTier(SecondaryTier):
     """Secondary tier storing one value per block on a Valkey / Redis server (module docstring).
 
@@ -263,8 +233,9 @@ class ValkeyTier(SecondaryTier):
         probe_timeout_s: deadline of one existence probe in seconds; past it the probe answers
             MISS (:class:`~kvcascade.tiers.base.SecondaryTier`).
 
-    Raises:
-        ConfigError: a value out of range or a bad ``url`` (named, never a password).
+    The values are those :func:`~kvcascade.tiers._valkey_config.valkey_tier_options` checked:
+    build the tier with :func:`valkey_tier_from_config` (or through a ``CascadeConfig``), not
+    directly.
     """
 
     def __init__(
@@ -295,23 +266,13 @@ class ValkeyTier(SecondaryTier):
             max_queued_jobs=max_queued_jobs,
             probe_timeout_s=probe_timeout_s,
         )
-        client_url = _client_url(url)
-        if cluster and client_url.startswith("unix:"):
-            raise ConfigError("a valkey cluster is reached over TCP, not unix://")
-        if max_attempts < 1:
-            raise ConfigError(f"valkey tier max_attempts must be >= 1, got {max_attempts}")
-        if not connect_timeout_s > 0 or not timeout_s > 0:
-            raise ConfigError(
-                "valkey tier connect_timeout_s and timeout_s must be > 0, got "
-                f"{connect_timeout_s!r}, {timeout_s!r}"
-            )
         self.mapper = mapper
         self._auth = auth
         self.url = display_url(url, "valkey tier url")
         self.cluster = cluster
         self.prefix = prefix.strip("/")
         self.value_bytes = file_size(host.block_bytes)
-        self._client_url = client_url
+        self._client_url = client_url(url)
         self._options: dict[str, Any] = {
             "username": username,
             "password": password,
@@ -637,25 +598,6 @@ class ValkeyTier(SecondaryTier):
         return [a == 1 for a in await self._command("DEL", delete)]
 
 
-_CONFIG_KEYS = {
-    "url",
-    "cluster",
-    "prefix",
-    "username",
-    "password",
-    "max_concurrency",
-    "connect_timeout_s",
-    "timeout_s",
-    "max_attempts",
-    "cache_salt",
-    "name",
-    "io_timeout_s",
-    "max_queued_jobs",
-    *SECRET_KEYS,
-    "probe_timeout_s",
-}
-
-
 def valkey_tier_from_config(
     host: HostBuffer, mapper: FileMapper, cfg: dict[str, Any]
 ) -> ValkeyTier:
@@ -670,46 +612,12 @@ def valkey_tier_from_config(
     :func:`~kvcascade.tiers._block_format.block_auth`; default none).
 
     Raises:
-        ConfigError: missing ``url``, an unknown key (named, never its value), a value of the
-            wrong type or range, or a secret that cannot be read
-            (:func:`~kvcascade.tiers._block_format.block_auth`).
+        ConfigError: see :func:`~kvcascade.tiers._valkey_config.valkey_tier_options` (every key
+            and value, checked again here for a tier built without a ``CascadeConfig``), or a
+            secret that cannot be read (:func:`~kvcascade.tiers._block_format.block_auth`).
     """
-    unknown = sorted(set(cfg) - _CONFIG_KEYS)
-    if unknown:
-        raise ConfigError(f"unknown valkey tier keys {unknown}; known: {sorted(_CONFIG_KEYS)}")
-    for key in ("url", "prefix", "username", "password", "cache_salt", "name"):
-        if cfg.get(key) is not None and not isinstance(cfg[key], str):
-            shown = "a secret" if key == "password" else repr(cfg[key])
-            raise ConfigError(f"valkey tier {key} must be a string, got {shown}")
-    if not cfg.get("url"):
-        raise ConfigError("valkey tier needs 'url' (e.g. redis://127.0.0.1:6379)")
-    if not isinstance(cfg.get("cluster", False), bool):
-        raise ConfigError(f"valkey tier cluster must be true or false, got {cfg['cluster']!r}")
-
-    def integer(key: str, default: int) -> int:
-        return config_int(cfg, key, default, "valkey tier")
-
-    def seconds(key: str, default: float) -> float:
-        return config_seconds(cfg, key, default, "valkey tier")
-
+    options = valkey_tier_options(cfg, host.block_bytes)
     if cfg.get("cache_salt"):
         mapper = mapper.with_salt(cfg["cache_salt"])
     auth = block_auth(cfg, "valkey tier", mapper.namespace)
-    return ValkeyTier(
-        host,
-        mapper,
-        cfg["url"],
-        cluster=cfg.get("cluster", False),
-        prefix=cfg.get("prefix") or "",
-        username=cfg.get("username"),
-        password=cfg.get("password"),
-        max_concurrency=integer("max_concurrency", 16),
-        connect_timeout_s=seconds("connect_timeout_s", 2.0),
-        timeout_s=seconds("timeout_s", 5.0),
-        max_attempts=integer("max_attempts", 3),
-        name=cfg.get("name") or "valkey",
-        io_timeout_s=seconds("io_timeout_s", 30.0),
-        max_queued_jobs=integer("max_queued_jobs", 1024),
-        auth=auth,
-        probe_timeout_s=seconds("probe_timeout_s", PROBE_TIMEOUT_S),
-    )
+    return ValkeyTier(host, mapper, auth=auth, **options)

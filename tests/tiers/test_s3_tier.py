@@ -299,11 +299,11 @@ async def test_events_only_for_successful_stores(
 
 
 def test_config_keys_aliases_and_no_secret_anywhere(
-    host: kc.HostBuffer, caplog: pytest.LogCaptureFixture
+    host: kc.HostBuffer, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     """vLLM TestObjStoreConfig in kvcascade terms: ``obj`` is an alias; unknown keys, a missing
-    bucket, a half credential pair and bad values are ConfigErrors; no secret in repr or
-    messages."""
+    bucket, a half credential pair and bad values are ConfigErrors, from the factory and when
+    the CascadeConfig is built; no secret in repr or messages."""
     ctx = TierContext(host, default_identity("test-model"))
     tier = create_secondary_tier({"type": "obj", **tier_config("http://x:1", "bkt")}, ctx)
     assert isinstance(tier, S3Tier) and tier.name == "obj"
@@ -325,6 +325,18 @@ def test_config_keys_aliases_and_no_secret_anywhere(
         with pytest.raises(kc.ConfigError, match=message) as info:
             s3_tier_from_config(host, mapper, cfg)
         assert SECRET_KEY not in str(info.value)
+        # the same error when the CascadeConfig is built, before an fs tier listed first has
+        # created its directories (max_concurrency 0 and addressing_style 'sideways' were
+        # refused only by the factory, at open_cascade)
+        fs = tmp_path / "fs"
+        with pytest.raises(kc.ConfigError, match=message) as info:
+            kc.CascadeConfig(
+                block_bytes=BLOCK,
+                cpu_blocks=4,
+                model_name="test-model",
+                secondary_tiers=[{"type": "fs", "root_dir": str(fs)}, {"type": "s3", **cfg}],
+            )
+        assert SECRET_KEY not in str(info.value) and not fs.exists()
     assert SECRET_KEY not in caplog.text
 
 
@@ -403,7 +415,7 @@ def test_bad_bucket_name_is_refused_when_the_config_is_built(
             secondary_tiers=[{"type": "s3", **cfg}],
         )
     with pytest.raises(kc.ConfigError, match=re.escape(f"s3 tier bucket {name!r} {rule}")):
-        S3Tier(host, FileMapper(default_identity("test-model")), name)
+        s3_tier_from_config(host, FileMapper(default_identity("test-model")), cfg)
 
 
 @pytest.mark.parametrize(
@@ -438,8 +450,9 @@ def test_bad_endpoint_or_max_bytes_is_refused_when_the_config_is_built(
 def test_an_infinite_connect_timeout_is_refused_naming_it(host: kc.HostBuffer) -> None:
     """``connect_timeout_s=inf`` passed the ``> 0`` check, and a healthy endpoint was then
     reported ``not reachable`` at start-up (found by a break-it run)."""
-    with pytest.raises(kc.ConfigError, match=r"connect_timeout_s must be > 0 and finite.*got inf"):
-        S3Tier(host, FileMapper(default_identity("m")), "kv-bucket", connect_timeout_s=math.inf)
+    cfg = tier_config("http://127.0.0.1:9", "kv-bucket", connect_timeout_s=math.inf)
+    with pytest.raises(kc.ConfigError, match=r"connect_timeout_s must be > 0 and finite, got inf"):
+        s3_tier_from_config(host, FileMapper(default_identity("m")), cfg)
 
 
 @pytest.mark.parametrize("name", ["abc", "a" * 63, "my.bucket-2", "0kv"])

@@ -201,7 +201,7 @@ def test_probe_timeout_is_validated_naming_the_value(bad: object, tmp_path: Path
     mapper = FileMapper(default_identity("test-model"))
     try:
         with pytest.raises(kc.ConfigError, match=rf"s3 tier probe_timeout_s .*{bad!r}"):
-            entry = s3_entry("http://127.0.0.1:1", "b", probe_timeout_s=bad)
+            entry = s3_entry("http://127.0.0.1:1", "kv-bucket", probe_timeout_s=bad)
             del entry["type"]
             s3_tier_from_config(host, mapper, entry)
         cfg = {"root_dir": str(tmp_path / "fs"), "probe_timeout_s": bad}

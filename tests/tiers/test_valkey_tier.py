@@ -79,10 +79,11 @@ def host() -> Iterator[kc.HostBuffer]:
 
 # -- configuration ----------------------------------------------------------------------
 def test_config_errors_name_the_bad_value_and_never_the_password(
-    host: kc.HostBuffer, caplog: pytest.LogCaptureFixture
+    host: kc.HostBuffer, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     """Unknown keys, a missing or bad url, a password inside the url, bad types and ranges are
-    ConfigErrors naming the value; the password never shows in repr or messages."""
+    ConfigErrors naming the value, from the factory and when the CascadeConfig is built; the
+    password never shows in repr or messages."""
     ctx = TierContext(host, default_identity("test-model"))
     tier = create_secondary_tier(
         {"type": "valkey", "url": "valkey://h:1/0", "password": PASSWORD}, ctx
@@ -115,6 +116,18 @@ def test_config_errors_name_the_bad_value_and_never_the_password(
         with pytest.raises(kc.ConfigError, match=message) as info:
             valkey_tier_from_config(host, mapper, cfg)
         assert PASSWORD not in str(info.value)
+        # the same error when the CascadeConfig is built, before an fs tier listed first has
+        # created its directories (a bad url or max_concurrency 0 were refused only by the
+        # factory, at open_cascade)
+        fs = tmp_path / "fs"
+        with pytest.raises(kc.ConfigError, match=message) as info:
+            kc.CascadeConfig(
+                block_bytes=4096,
+                cpu_blocks=4,
+                model_name="test-model",
+                secondary_tiers=[{"type": "fs", "root_dir": str(fs)}, {"type": "valkey", **cfg}],
+            )
+        assert PASSWORD not in str(info.value) and not fs.exists()
     assert PASSWORD not in caplog.text
 
 
