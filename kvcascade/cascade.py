@@ -204,11 +204,11 @@ class Cascade:
         """Offload GPU blocks ``gpu_ids[i]`` under ``keys[i]`` (GPU → CPU, then the cascade).
 
         A source block that an unfinished :meth:`load` is filling is copied only after that load
-        returns. Keys already present (or being written) are skipped. When the primary tier has
-        no evictable room, applies the jobs finished since the last poll (a promotion that landed
-        for a request finished unread leaves its slot evictable; without this every store after
-        such a request was dropped until another call polled) and tries again, then waits for
-        in-flight cascades to release their pins and tries once more; then the leading keys
+        returns. Keys already present (or being written) are skipped. The jobs finished since
+        the last call are applied first (finished cascades release their pins and their room in
+        the cascade queue; a promotion that landed for a request finished unread leaves its
+        slot evictable). When the primary tier has no evictable room, waits for in-flight
+        cascades to release their pins and tries once more; then the leading keys
         that fit are stored and the rest dropped (counted in ``counters["store_dropped_blocks"]``
         and in ``StoreResult.dropped``; the first drop is logged as a warning). The cascade to
         secondary tiers runs in the background. Cancelled while copying, the copy finishes and
@@ -221,10 +221,13 @@ class Cascade:
         while loads := {id(f): f for i in gpu_ids if (f := self._loading.get(int(i)))}:
             await asyncio.wait(loads.values())
         coord = self.coordinator
+        # An asyncio caller has no steps: the jobs finished since the last call are applied
+        # first, or their cascades count as queued (every later cascade refused by
+        # back-pressure) and keep their pins, and the slots of promotions that landed for a
+        # request finished unread stay reserved (docs/coordinator.md, *Rules that keep it correct
+        # where the parts meet*).
+        coord.poll_now()
         out = coord.prepare_store(keys, ctx)
-        if out is None:  # jobs that finished since the last poll may have freed room
-            coord.poll_now()
-            out = coord.prepare_store(keys, ctx)
         if out is None and (cascades := coord.job_futures(promotions=False)):
             await asyncio.wait(cascades)
             coord.poll_now()

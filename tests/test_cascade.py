@@ -556,3 +556,38 @@ async def test_store_after_a_lookup_whose_request_finished_unread() -> None:
         cascade.finish_request(writer)
         await cascade.wait_cascades()
         assert_idle(cascade)
+
+
+async def test_a_prompt_longer_than_the_cpu_tier_stored_in_chunks_reaches_the_tier() -> None:
+    """One request stores a 64-block prompt in chunks of 8 through a 16-slot CPU tier, each
+    chunk's cascade finished before the next chunk comes (the forward pass in between). The
+    ``Cascade`` applied finished jobs only when a store found no room: the first cascade
+    counted as queued for ever, back-pressure refused every later one and its pins stayed
+    held — 8 of 64 blocks reached the idle secondary tier (found by a break-it run). Now each
+    call applies the finished jobs first, and a later request reads every block back."""
+    async with kc.open_cascade(config(cpu_blocks=16, gpu_blocks=80)) as cascade:
+        keys = [key(i) for i in range(64)]
+        writer = kc.ReqContext("prefill")
+        assert (await cascade.lookup_prefix(keys, writer)).num_hits == 0
+        for i in range(64):
+            cascade.device.kv[i] = i
+        for start in range(0, 64, 8):
+            ids = list(range(start, start + 8))
+            result = await cascade.store(keys[start : start + 8], writer, ids)
+            assert (result.stored, result.dropped) == (keys[start : start + 8], 0)
+            await asyncio.wait(cascade.coordinator.job_futures())  # finished, not yet applied
+        cascade.finish_request(writer)
+        await cascade.wait_cascades()
+        stats = cascade.coordinator.get_stats()
+        assert not any(v for k, v in stats.items() if "cascade_dropped" in k), stats
+        reader = kc.ReqContext("reader")
+        loaded = 0
+        while loaded < 64:  # through 16 slots the prefix comes back in parts
+            found = await cascade.lookup_prefix(keys[loaded:], reader)
+            assert found.num_hits
+            done = await cascade.load(found.keys, reader, [64 + j for j in range(found.num_hits)])
+            for j in range(done.loaded):
+                assert bool((cascade.device.kv[64 + j] == loaded + j).all())
+            loaded += done.loaded
+        cascade.finish_request(reader)
+        assert_idle(cascade)
