@@ -81,6 +81,7 @@ _EXPORTS: dict[str, str] = {
     "register_secondary_tier": ".tiers.registry",
     "SharedOffloadRegion": ".tiers.shm",
     "region_geometry": ".tiers.shm",
+    "CanonicalViews": ".views",
     "block_views": ".views",
     "canonical_views": ".views",
 }
@@ -108,6 +109,7 @@ __all__ = [
     "CPULoadStoreSpec",
     "CPUOffloadingManager",
     "CachePolicy",
+    "CanonicalViews",
     "Cascade",
     "CascadeConfig",
     "ConfigError",

@@ -10,7 +10,8 @@ view shares the tensor's storage, so a write through one is seen through the oth
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -62,7 +63,59 @@ def block_views(tensor: torch.Tensor, block_dim: int = 0) -> list[torch.Tensor]:
     return [view]
 
 
-def canonical_views(kv_caches: Mapping[str, torch.Tensor], layout: str) -> list[torch.Tensor]:
+class CanonicalViews(list[torch.Tensor]):
+    """What :func:`canonical_views` returns: the views (a list of int8 ``(num_blocks, page)``
+    tensors) and what their bytes mean — per layer its name, layout, KV dtype and the shape of
+    one block — which a :class:`kvcascade.Cascade` built over them folds into its namespace
+    (:meth:`identity`): two engines whose blocks have the same size but another layout, dtype
+    or geometry never read each other's blocks. ``a + b`` and ``a += b`` of two such lists
+    keep both descriptions (an engine with layers of two layouts).
+
+    Attributes:
+        layers: per layer, in view order, ``(name, layout, dtype name, shape of one block,
+            number of views)``; the block shape is the tensor's shape without its block
+            dimension (e.g. ``(2, block_size, heads, head_dim)`` for ``flash_attn``).
+    """
+
+    def __init__(
+        self,
+        views: Iterable[torch.Tensor],
+        layers: Sequence[tuple[str, str, str, tuple[int, ...], int]],
+    ) -> None:
+        super().__init__(views)
+        self.layers = tuple(layers)
+
+    def __add__(self, other: Any) -> Any:  # list's signature
+        if isinstance(other, CanonicalViews):
+            return CanonicalViews([*self, *other], self.layers + other.layers)
+        return list(self) + other
+
+    def __iadd__(self, other: Any) -> CanonicalViews:  # list's signature
+        super().__iadd__(other)
+        if isinstance(other, CanonicalViews):
+            self.layers += other.layers
+        return self
+
+    def identity(self) -> dict[str, Any]:
+        """Namespace fields (:func:`kvcascade.tiers._file_mapper.default_identity`): the page
+        sizes of the views (``kv_view_pages``) and, while :attr:`layers` accounts for every
+        view, ``dtype`` and ``kv_layout`` (comma-joined per layer where layers differ), the
+        layer names as one KV-cache group and ``kv_block_shapes``."""
+        out: dict[str, Any] = {"kv_view_pages": [int(v.shape[1]) for v in self]}
+        if sum(n for *_, n in self.layers) != len(self):
+            return out  # the list was changed by other means: its pages are all that is known
+
+        def joined(values: list[str]) -> str:
+            return values[0] if len(set(values)) == 1 else ",".join(values)
+
+        out["dtype"] = joined([dtype for _, _, dtype, _, _ in self.layers])
+        out["kv_layout"] = joined([layout for _, layout, _, _, _ in self.layers])
+        out["layer_names"] = [[name for name, *_ in self.layers]]
+        out["kv_block_shapes"] = [list(shape) for _, _, _, shape, _ in self.layers]
+        return out
+
+
+def canonical_views(kv_caches: Mapping[str, torch.Tensor], layout: str) -> CanonicalViews:
     """Canonical views of every layer's KV tensor, layer by layer (and K before V).
 
     Args:
@@ -70,14 +123,25 @@ def canonical_views(kv_caches: Mapping[str, torch.Tensor], layout: str) -> list[
         layout: a key of :data:`BLOCK_DIM` (``flash_attn``, ``flashinfer``, ``cpu``, ``mla``,
             ``cross_layer``).
 
+    Returns:
+        The views, with each layer's name, layout, dtype and block shape
+        (:class:`CanonicalViews`).
+
     Raises:
         ValueError: unknown ``layout`` (the message lists the known ones), tensors that
             disagree on ``num_blocks``, or a layout whose blocks are not contiguous.
     """
     if layout not in BLOCK_DIM:
         raise ValueError(f"unknown KV layout {layout!r}; known: {', '.join(sorted(BLOCK_DIM))}")
-    views = [v for t in kv_caches.values() for v in block_views(t, BLOCK_DIM[layout])]
+    dim = BLOCK_DIM[layout]
+    views: list[torch.Tensor] = []
+    layers = []
+    for name, tensor in kv_caches.items():
+        own = block_views(tensor, dim)
+        views += own
+        shape = (*tensor.shape[:dim], *tensor.shape[dim + 1 :])
+        layers.append((name, layout, str(tensor.dtype).removeprefix("torch."), shape, len(own)))
     counts = {v.shape[0] for v in views}
     if len(counts) > 1:
         raise ValueError(f"layers disagree on num_blocks: {sorted(counts)}")
-    return views
+    return CanonicalViews(views, layers)

@@ -591,3 +591,78 @@ async def test_a_prompt_longer_than_the_cpu_tier_stored_in_chunks_reaches_the_ti
             loaded += done.loaded
         cascade.finish_request(reader)
         assert_idle(cascade)
+
+
+def _layer_kv(layout: str, dtype: torch.dtype, layers: int = 2, heads: int = 4):
+    shape = (2, 8, 16, heads, 32) if layout == "flash_attn" else (8, 2, heads, 16, 32)
+    return {f"layer{i}": torch.zeros(shape, dtype=dtype) for i in range(layers)}
+
+
+@pytest.mark.parametrize(
+    ("layout", "dtype", "layers", "heads", "hits"),
+    [
+        ("flash_attn", torch.bfloat16, 2, 4, 4),  # the same engine: its blocks, byte-exact
+        ("flashinfer", torch.bfloat16, 2, 4, 0),  # HND: another byte order
+        ("flash_attn", torch.float16, 2, 4, 0),
+        ("flash_attn", torch.bfloat16, 1, 8, 0),  # one layer of twice the heads
+    ],
+)
+async def test_an_engine_of_another_layout_dtype_or_geometry_never_reads_the_blocks(
+    tmp_path, layout: str, dtype: torch.dtype, layers: int, heads: int, hits: int
+) -> None:
+    """Blocks an engine stored through its canonical views (FlashAttention, bf16, 2 layers of 4
+    heads) were served to a restart over the same fs directory with another layout, dtype or
+    layer geometry of the same block size, as valid KV (found by a break-it run): the
+    namespace had only the model and the block size. Now it has the views' layout, dtype and
+    block shapes; the same engine still reads its blocks back byte-exact."""
+
+    def config(block_bytes: int) -> kc.CascadeConfig:
+        tiers = [{"type": "fs", "root_dir": str(tmp_path)}]
+        return kc.CascadeConfig(
+            block_bytes=block_bytes,
+            gpu_blocks=8,
+            cpu_blocks=8,
+            secondary_tiers=tiers,
+            model_name="m",
+        )
+
+    keys = [key(i) for i in range(4)]
+    kv = _layer_kv("flash_attn", torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    for t in kv.values():
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    views = kc.canonical_views(kv, "flash_attn")
+    async with kc.open_cascade(config(sum(v.shape[1] for v in views)), kv_views=views) as c:
+        writer = kc.ReqContext("w")
+        assert (await c.store(keys, writer, [0, 1, 2, 3])).stored == keys
+        await c.wait_cascades()
+        c.finish_request(writer)
+    other = _layer_kv(layout, dtype, layers, heads)
+    views = kc.canonical_views(other, layout)
+    assert sum(v.shape[1] for v in views) == 16384  # the same block size every time
+    async with kc.open_cascade(config(16384), kv_views=views) as c:
+        reader = kc.ReqContext("r")
+        found = await c.lookup_prefix(keys, reader)
+        assert found.num_hits == hits
+        if hits:
+            assert (await c.load(found.keys, reader, [4, 5, 6, 7])).loaded == 4
+            for name, t in other.items():
+                assert torch.equal(t[:, 4:8], kv[name][:, 0:4])
+        c.finish_request(reader)
+
+
+def test_canonical_views_describe_every_layer_also_when_joined() -> None:
+    """The namespace fields of two layouts' views joined with ``+=`` name both layers; views
+    changed by other means fall back to their page sizes."""
+    kv = engine_kv(16)
+    views = kc.canonical_views({"layer0": kv["layer0"]}, "flash_attn")
+    views += kc.canonical_views({"layer1": kv["layer1"]}, "cpu")
+    assert views.identity() == {
+        "kv_view_pages": [256, 256, 512],
+        "dtype": "float16,bfloat16",
+        "kv_layout": "flash_attn,cpu",
+        "layer_names": [["layer0", "layer1"]],
+        "kv_block_shapes": [[2, 4, 2, 16], [2, 4, 32]],
+    }
+    views.append(views[0])
+    assert views.identity() == {"kv_view_pages": [256, 256, 512, 256]}
