@@ -15,6 +15,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,6 +126,8 @@ class Cascade:
         # GPU block id → the load filling it: a store from that block waits for it first.
         self._loading: dict[int, asyncio.Future[None]] = {}
         self._opened = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that opened it
+        self._thread = 0  # and its thread
         self._drops_logged = False
         self.counters: collections.Counter[str] = collections.Counter()
 
@@ -315,12 +318,23 @@ class Cascade:
 
         Raises:
             TypeError: ``ctx`` is not a :class:`ReqContext`.
+            RuntimeError: called from outside the event loop of the open cascade
+                (:meth:`_check_loop`).
         """
         _check_ctx(ctx)
+        if self._opened and not self._closed:
+            self._check_loop()
         self.coordinator.on_request_finished(ctx)
 
     async def wait_cascades(self) -> None:
-        """Wait for every cascade in flight and apply the results (replay's step barrier)."""
+        """Wait for every cascade in flight and apply the results (replay's step barrier).
+
+        Raises:
+            RuntimeError: called from outside the event loop of the open cascade
+                (:meth:`_check_loop`).
+        """
+        if self._opened and not self._closed:
+            self._check_loop()
         cascades = self.coordinator.job_futures(promotions=False)
         if cascades:
             await asyncio.wait(cascades)
@@ -336,16 +350,17 @@ class Cascade:
         self.device.close()
         self.host.close()
 
-    def _check(self, keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Any = None) -> None:
-        """:func:`_check_request`, plus: the cascade is open and every GPU id is a block.
+    def _check_open(self) -> None:
+        """Refuse a call on a cascade that is not open, or from outside its event loop.
 
         Raises:
+            TierUnavailableError: the cascade is closed or closing (its ``async with`` ended).
             RuntimeError: the cascade was never opened (built directly, not by
-                :func:`open_cascade`: its tier actors do not run).
-            TierUnavailableError: the cascade was closed (its ``async with`` ended).
-            TypeError / ValueError: see :func:`_check_request`; a GPU id outside
-                ``[0, gpu_blocks)``, or one GPU id given for two keys (one key's KV would be
-                stored under both, or one load would overwrite the other).
+                :func:`open_cascade`: its tier actors do not run), or the call comes from
+                another thread or event loop than the one that opened it (the coordinator and
+                the tier actors are that loop's; a call from elsewhere copied the KV, then
+                failed at the cascade submission and left its CPU slots pinned). Call it
+                there: ``asyncio.run_coroutine_threadsafe`` or anyio's ``BlockingPortal``.
         """
         if self._closed:
             raise TierUnavailableError("the cascade is closed")
@@ -353,6 +368,39 @@ class Cascade:
             raise RuntimeError(
                 "the cascade was not opened: use `async with kvcascade.open_cascade(config)`"
             )
+        self._check_loop()
+
+    def _check_loop(self) -> None:
+        """Refuse a call from another thread or event loop than the one that opened the cascade
+        (:meth:`_check_open`); a synchronous call from that loop's thread while the loop is
+        not running (between ``run_until_complete`` calls) is its own.
+
+        Raises:
+            RuntimeError: naming what to do instead.
+        """
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        same = threading.get_ident() == self._thread if loop is None else loop is self._loop
+        if not same:
+            raise RuntimeError(
+                "Cascade called from outside the event loop that opened it (another thread or "
+                "event loop): submit the call to that loop (asyncio.run_coroutine_threadsafe, "
+                "anyio's BlockingPortal)"
+            )
+
+    def _check(self, keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Any = None) -> None:
+        """:func:`_check_request`, plus: the cascade is open, called from its event loop
+        (:meth:`_check_open`), and every GPU id is a block.
+
+        Raises:
+            RuntimeError / TierUnavailableError: see :meth:`_check_open`.
+            TypeError / ValueError: see :func:`_check_request`; a GPU id outside
+                ``[0, gpu_blocks)``, or one GPU id given for two keys (one key's KV would be
+                stored under both, or one load would overwrite the other).
+        """
+        self._check_open()
         _check_request(keys, ctx, gpu_ids)
         if gpu_ids is not None and len(gpu_ids):
             n = self.device.num_blocks
@@ -451,7 +499,12 @@ async def open_cascade(
     cascade = Cascade(config, kv_views=kv_views)
     try:
         async with serve_coordinator(cascade.coordinator):
+            cascade._loop = asyncio.get_running_loop()
+            cascade._thread = threading.get_ident()
             cascade._opened = True
-            yield cascade
+            try:
+                yield cascade
+            finally:
+                cascade._closed = True  # from here on the tiers drain: new calls are refused
     finally:
         cascade._release()

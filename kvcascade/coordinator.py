@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from ._errors import BlockUnavailableError
+from ._errors import BlockUnavailableError, TierUnavailableError
 from ._keys import check_offload_key
 from ._pending_writes import PendingWrites
 from ._prefix_walk import walk_prefix
@@ -152,6 +152,7 @@ class TieringCoordinator:
         self._awaiting: dict[bytes, list[_RequestState]] = {}
         self._event_signal: asyncio.Event | None = None
         self._closed = False
+        self._stopped_tiers: set[int] = set()  # tiers found not running (logged once each)
 
     @property
     def pending_write_timeout_s(self) -> float | None:
@@ -602,13 +603,31 @@ class TieringCoordinator:
     ) -> asyncio.Future[JobResult] | None:
         """Pin ``keys`` (present and ready in the primary tier) and store them to one tier;
         None when back-pressure refuses the store (:mod:`kvcascade.backpressure`: nothing is
-        pinned, the drop is counted)."""
+        pinned, the drop is counted) or the tier is not running (its actor stopped: the pins
+        are released, the failure is counted and logged once per tier).
+
+        Raises:
+            RuntimeError: the tier refused the submission from outside its event-loop thread
+                (the pins are released first).
+        """
         keys = list(keys)
         if not self.admission.admit(tier_idx, len(keys)):
             return None
         spec = self.primary.prepare_read(keys, ctx)
         job = TransferJob(self._next_job_id(), keys, spec.block_ids, False, ctx)
-        return self._submit(tier_idx, job)
+        try:
+            return self._submit(tier_idx, job)
+        except BaseException as exc:  # the pins were taken for a job that does not exist
+            self.primary.complete_load(keys)
+            self.admission.finished(tier_idx, len(keys))
+            if not isinstance(exc, TierUnavailableError):
+                raise
+            metrics = self.metrics
+            metrics.series(metrics.cascade_job_failures, metrics.tier_label(tier_idx)).inc()
+            if tier_idx not in self._stopped_tiers:
+                self._stopped_tiers.add(tier_idx)
+                log.warning("kvcascade: no cascade to a tier that is not running: %s", exc)
+            return None
 
     # -- request lifecycle ---------------------------------------------------------------
     def _state(self, ctx: ReqContext) -> _RequestState:

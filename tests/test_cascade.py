@@ -666,3 +666,71 @@ def test_canonical_views_describe_every_layer_also_when_joined() -> None:
     }
     views.append(views[0])
     assert views.identity() == {"kv_view_pages": [256, 256, 512, 256]}
+
+
+async def test_a_call_from_another_event_loop_is_refused_before_anything_changes() -> None:
+    """A ``store`` run from another thread's event loop copied the KV into the CPU tier, then
+    failed at the cascade submission and left the slots pinned; a ``load`` from there was not
+    refused at all (found by a break-it run). Every call from outside the loop that opened the
+    cascade is now a ``RuntimeError`` before any state changes; its own loop works as before."""
+    async with kc.open_cascade(config(cpu_blocks=4)) as cascade:
+        keys = [key(i) for i in range(2)]
+        ctx = kc.ReqContext("r")
+        calls = {
+            "store": lambda: asyncio.run(cascade.store(keys, ctx, [0, 1])),
+            "lookup_prefix": lambda: asyncio.run(cascade.lookup_prefix(keys, ctx)),
+            "load": lambda: asyncio.run(cascade.load(keys, ctx, [0, 1])),
+            "touch": lambda: cascade.touch(keys, ctx),
+            "finish_request": lambda: cascade.finish_request(ctx),
+            "wait_cascades": lambda: asyncio.run(cascade.wait_cascades()),
+        }
+        for name, call in calls.items():
+            errors: list[BaseException] = []
+
+            def run(call=call, errors=errors) -> None:
+                try:
+                    call()
+                except BaseException as exc:
+                    errors.append(exc)
+
+            thread = threading.Thread(target=run)
+            thread.start()
+            thread.join(10)
+            assert len(errors) == 1 and isinstance(errors[0], RuntimeError), (name, errors)
+            assert "outside the event loop that opened it" in str(errors[0])
+        assert cascade.primary.num_free == 4
+        cascade.device.kv[0] = 7
+        assert (await cascade.store(keys, ctx, [0, 1])).stored == keys
+        await cascade.wait_cascades()
+        cascade.finish_request(ctx)
+        assert_idle(cascade)
+
+
+async def test_calls_made_while_the_cascade_closes_are_refused(caplog) -> None:
+    """Once the ``async with`` body has ended the tiers drain; a task still calling
+    ``lookup_prefix`` and ``store`` there was answered all-miss ("probe failed: tier is not
+    running", counted as probe failures) and had its stores dropped, and tasks retrying without
+    a pause starved the close (found by a break-it run). They now get ``TierUnavailableError``
+    from the moment the body ends."""
+    outcome: list[BaseException] = []
+    started = asyncio.Event()
+
+    async def client(cascade: kc.Cascade) -> None:
+        ctx = kc.ReqContext("late")
+        try:
+            while True:
+                await cascade.lookup_prefix([key(1)], ctx)
+                started.set()
+                await cascade.store([key(2)], ctx, [0])
+                await asyncio.sleep(0)
+        except BaseException as exc:
+            outcome.append(exc)
+            raise
+
+    async with kc.open_cascade(config(cpu_blocks=4)) as cascade:
+        task = asyncio.ensure_future(client(cascade))
+        await started.wait()
+    with contextlib.suppress(kc.TierUnavailableError):
+        await task
+    assert len(outcome) == 1 and isinstance(outcome[0], kc.TierUnavailableError), outcome
+    assert "probe failed" not in caplog.text

@@ -6,6 +6,7 @@ test."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -702,3 +703,30 @@ async def test_a_probe_that_raises_answers_miss_not_retry_for_ever(caplog) -> No
         coord.on_request_finished(a)
         coord.on_request_finished(b)
     host.close()
+
+
+async def test_a_cascade_to_a_tier_that_is_not_running_releases_its_pins(caplog) -> None:
+    """A tier whose actor does not run refuses the submission (``TierUnavailableError``); the
+    cascade had pinned its keys first and nothing unpinned them, and the error escaped the
+    GPU→CPU store that had succeeded (found by a break-it run). Now the pins are released, the
+    failure is counted, logged once, and the store completes; the running tier gets its job."""
+    host = kc.HostBuffer(4, 64)
+    primary = kc.CPUOffloadingManager(4, "lru")
+    up, down = kc.MemoryTier(host, name="up"), kc.MemoryTier(host, name="down")
+    try:
+        async with running(up):
+            coord = kc.TieringCoordinator(primary, [up, down])
+            ctx = kc.ReqContext("a")
+            for i in range(2):
+                with caplog.at_level(logging.WARNING, logger="kvcascade"):
+                    assert store(coord, ctx, [key(i)], host) == [key(i)]
+            await settle(coord)
+            coord.poll_now()
+            assert all(primary.get_block(key(i)).ref_cnt == 0 for i in range(2))
+            assert set(up.blocks) == {key(0), key(1)} and not down.blocks
+            stats = coord.get_stats()
+            assert stats["kvcascade_cascade_job_failures_total:2:down"] == 2
+            assert caplog.text.count("no cascade to a tier that is not running") == 1
+            coord.on_request_finished(ctx)
+    finally:
+        host.close()
