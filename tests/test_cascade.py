@@ -734,3 +734,38 @@ async def test_calls_made_while_the_cascade_closes_are_refused(caplog) -> None:
         await task
     assert len(outcome) == 1 and isinstance(outcome[0], kc.TierUnavailableError), outcome
     assert "probe failed" not in caplog.text
+
+
+@pytest.mark.parametrize("enable_events", [True, False])
+async def test_kv_events_nobody_takes_stay_bounded(caplog, monkeypatch, enable_events) -> None:
+    """With the default ``enable_events=True`` and nobody taking the events, every stored and
+    evicted key of a long-running server stayed queued (linear growth), and with
+    ``enable_events=False`` the secondary tiers queued theirs anyway (found by a break-it run).
+    A queue now keeps at most ``MAX_QUEUED_EVENTS`` (here 8), dropping the oldest with one
+    warning, and queues nothing when events are off; a consumer gets the newest in order."""
+    from kvcascade import _event_queue
+
+    monkeypatch.setattr(_event_queue, "MAX_QUEUED_EVENTS", 8)
+    cfg = kc.CascadeConfig(
+        block_bytes=64,
+        gpu_blocks=8,
+        cpu_blocks=4,
+        secondary_tiers=[{"type": "memory"}],
+        enable_events=enable_events,
+    )
+    async with kc.open_cascade(cfg) as cascade:
+        ctx = kc.ReqContext("writer")
+        for i in range(40):  # 40 stores, 36 evictions, 40 tier stores: > 8 events everywhere
+            assert (await cascade.store([key(i)], ctx, [0])).stored == [key(i)]
+            await cascade.wait_cascades()
+        cascade.finish_request(ctx)
+        queues = [cascade.primary.event_queue, *(t.event_queue for t in cascade.tiers)]
+        assert [len(q) for q in queues] == ([8, 8] if enable_events else [0, 0])
+        events = list(cascade.coordinator.take_events())
+        if enable_events:
+            stored = [e.keys[0] for e in events if e.tier == "memory"]
+            assert stored == [key(i) for i in range(32, 40)]  # the newest, in order
+            assert [q.dropped for q in queues] == [76 - 8, 40 - 8]
+            assert caplog.text.count("KV events nobody took") == 2
+        else:
+            assert events == [] and "KV events nobody took" not in caplog.text

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._errors import ConfigError
+from .._event_queue import EventQueue
 from .._types import (
     CPULoadStoreSpec,
     LookupResult,
@@ -143,7 +144,9 @@ class CPUOffloadingManager:
         num_blocks: number of primary-tier slots (chunks), ``>= 0``.
         eviction_policy: a registered policy name (``"lru"``, ``"arc"``, …) or
             ``"module.path:ClassName"``.
-        enable_events: queue :class:`OffloadingEvent` s for :meth:`take_events`.
+        enable_events: queue :class:`OffloadingEvent` s for :meth:`take_events` (at most
+            :data:`kvcascade._event_queue.MAX_QUEUED_EVENTS`: the oldest are dropped, counted
+            in ``event_queue.dropped``, when nobody takes them).
         cache_policy_module_path: module to import an unregistered ``eviction_policy`` class
             name from (vLLM's ``cache_policy_module_path``).
 
@@ -181,7 +184,7 @@ class CPUOffloadingManager:
         # Only policies that override the hook pay for the per-request miss set.
         overridden = type(self._policy).on_store_miss is not CachePolicy.on_store_miss
         self._on_store_miss = self._policy.on_store_miss if overridden else None
-        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self.event_queue = EventQueue("the cpu tier", enabled=enable_events)
         # One BlockStatus per slot, made up front so the hot path allocates no tracked objects
         # (fewer garbage-collector passes); never-used slots are taken in increasing order.
         self._slots = [BlockStatus(i) for i in range(num_blocks)]
@@ -391,8 +394,10 @@ class CPUOffloadingManager:
             self.num_evictable -= need
             self._evictions += need
             self.total_evictions += need
-            if self._events is not None:
-                self._events.append(OffloadingEvent(evicted_keys.copy(), Medium.CPU, removed=True))
+            if self.event_queue.enabled:
+                self.event_queue.append(
+                    OffloadingEvent(evicted_keys.copy(), Medium.CPU, removed=True)
+                )
         blocks = self._allocate(n)
         insert = self._policy.insert
         for key, block in zip(to_store, blocks):
@@ -450,8 +455,8 @@ class CPUOffloadingManager:
             else:
                 policy.remove(key)
                 self._free_list.append(block)
-        if stored and self._events is not None:
-            self._events.append(OffloadingEvent(stored, Medium.CPU, removed=False))
+        if stored:
+            self.event_queue.append(OffloadingEvent(stored, Medium.CPU, removed=False))
 
     def remove(self, keys: Collection[bytes]) -> tuple[list[bytes], list[bytes]]:
         """Forget idle ``keys`` now (invalidation) and free their slots; one removal event.
@@ -473,8 +478,8 @@ class CPUOffloadingManager:
             self._free_list.append(block)
             self.num_evictable -= 1
             removed.append(key)
-        if removed and self._events is not None:
-            self._events.append(OffloadingEvent(removed, Medium.CPU, removed=True))
+        if removed:
+            self.event_queue.append(OffloadingEvent(removed, Medium.CPU, removed=True))
         return removed, in_use
 
     def quarantine_write(self, key: bytes) -> BlockStatus | None:
@@ -521,11 +526,9 @@ class CPUOffloadingManager:
             )
 
     def take_events(self) -> Iterator[OffloadingEvent]:
-        """Drain the queued events in order (nothing when events are disabled)."""
-        if not self._events:
-            return iter(())
-        events, self._events = self._events, []
-        return iter(events)
+        """Drain the queued events in order (nothing when events are disabled; at most
+        :data:`kvcascade._event_queue.MAX_QUEUED_EVENTS`, the oldest dropped beyond)."""
+        return iter(self.event_queue.take())
 
     def get_stats(self) -> CPUTierStats:
         """Gauges now and counters since the last call (vLLM's ``get_stats``); never None."""

@@ -41,6 +41,7 @@ from .._errors import (
     TierUnavailableError,
     TransferError,
 )
+from .._event_queue import EventQueue
 from .._keys import make_offload_key
 from .._types import JobResult, OffloadingEvent, TransferJob
 from ._backend import NotFoundError
@@ -85,7 +86,7 @@ class TierJobs:
         self._closed = False
         self._pending: set[asyncio.Future[JobResult]] = set()
         self._finished: collections.deque[JobResult] = collections.deque()
-        self._events: collections.deque[OffloadingEvent] = collections.deque()
+        self.events = EventQueue(f"tier {tier.name!r}")
         self._warned: set[str] = set()  # the kinds of failed job already logged as a warning
         self.health = DeadlineHealth(tier.name, tier.counters, self._answers_in_time)
 
@@ -268,15 +269,14 @@ class TierJobs:
         return out
 
     def take_events(self) -> list[OffloadingEvent]:
-        """Stored/removed events since the last call."""
-        out = list(self._events)
-        self._events.clear()
-        return out
+        """Stored/removed events since the last call (at most
+        :data:`kvcascade._event_queue.MAX_QUEUED_EVENTS`, the oldest dropped beyond)."""
+        return self.events.take()
 
     def announce_removed(self, keys: Sequence[bytes]) -> None:
         """Queue the removal event of ``keys`` (evicted or invalidated; any thread)."""
         tier = self._tier
-        self._events.append(OffloadingEvent(list(keys), tier.medium, True, tier.name))
+        self.events.append(OffloadingEvent(list(keys), tier.medium, True, tier.name))
 
     def _done(self, job: TransferJob, work: Submitted, fut: asyncio.Future[JobResult]) -> None:
         """Turn a job's outcome on the pool into its :class:`JobResult`."""
@@ -347,7 +347,7 @@ class TierJobs:
         if not job.is_promotion and result.success:
             stored = tier._stored_event_keys(job.keys)
             if stored:
-                self._events.append(OffloadingEvent(stored, tier.medium, False, tier.name))
+                self.events.append(OffloadingEvent(stored, tier.medium, False, tier.name))
         kind = "load" if job.is_promotion else "store"
         tier.counters[f"{kind}_jobs"] += 1
         tier.counters[f"{kind}_bytes"] += result.transfer_size

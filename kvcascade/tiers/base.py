@@ -65,6 +65,7 @@ from contextlib import AbstractContextManager
 from typing import Any, ClassVar, TypeVar
 
 from .._errors import CorruptBlockError, KVCascadeError, TransferError
+from .._event_queue import EventQueue
 from .._types import (
     JobResult,
     LookupResult,
@@ -361,8 +362,15 @@ class SecondaryTier(ABC):
         self._lookup.flush()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        """Stored/removed events of this tier since the last call."""
+        """Stored/removed events of this tier since the last call (:attr:`event_queue`)."""
         return self._jobs.take_events()
+
+    @property
+    def event_queue(self) -> EventQueue:
+        """The tier's queue of stored/removed events: bounded, and off (``enabled`` False) when
+        the coordinator's primary tier has ``enable_events=False``
+        (:mod:`kvcascade._event_queue`)."""
+        return self._jobs.events
 
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Probe the existence of ``keys`` now (for asyncio callers), as a load-priority call
