@@ -12,6 +12,10 @@ import contextlib
 import os
 import secrets
 
+#: Most bytes the temp name adds to the file name: ``_<pid>_<random>.tmp`` with a pid of at most
+#: 7 digits (Linux's ``pid_max`` limit 2**22) and a 63-bit random number (19 digits).
+TEMP_SUFFIX_MAX_BYTES = len("_4194304_") + len(str(2**63 - 1)) + len(".tmp")
+
 
 def replace_file(path: str | os.PathLike[str], data: bytes, fsync: bool = False) -> None:
     """Write ``data`` to ``path`` atomically, mode 0600.

@@ -51,9 +51,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .._atomic import replace_file
+from .._atomic import TEMP_SUFFIX_MAX_BYTES, replace_file
 from .._errors import ConfigError, DeadlineExceededError, InsufficientSpaceError
-from .._validate import check_int, is_int
+from .._validate import check_int, check_number, is_int
 from .cpu import PAGE_SIZE, register_host_memory, round_up, unregister_host_memory
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,8 @@ _POLL_S = 0.005
 # A region file without a matching owner record younger than this may be in creation.
 _CREATION_GRACE_S = 60.0
 _PREFIX = "kvcascade_"
+# Longest file name a file system takes (NAME_MAX of Linux), in bytes.
+_NAME_MAX = 255
 # Sidecar record: magic, owner pid, owner start time (clock ticks after boot), st_dev, st_ino of
 # the region file, number of participants that have mapped it.
 _OWNER = struct.Struct("<8sqQQQq")
@@ -113,8 +115,9 @@ def region_geometry(
         empty cache, still valid).
 
     Raises:
-        ConfigError: ``cpu_bytes_to_use`` missing, zero or negative (the message says what to
-            set), or a size that is not a non-negative int.
+        ConfigError: ``cpu_bytes_to_use`` missing, zero, negative or below one row (the message
+            says what to set), a size that is not a non-negative int, or ``blocks_per_chunk``
+            below 1.
     """
     if cpu_bytes_to_use is not None and not is_int(cpu_bytes_to_use):
         raise ConfigError(f"cpu_bytes_to_use must be an integer, got {cpu_bytes_to_use!r}")
@@ -126,12 +129,18 @@ def region_geometry(
         )
     check_int("worker_bytes_per_block", worker_bytes_per_block, 0)
     check_int("num_workers", num_workers, 0)
-    check_int("blocks_per_chunk", blocks_per_chunk, 0)
+    check_int("blocks_per_chunk", blocks_per_chunk, 1)
     if worker_bytes_per_block == 0 or num_workers == 0:
         return RegionGeometry(0, 0, 0, 0)
     cpu_page_size = worker_bytes_per_block * blocks_per_chunk
     block_bytes = cpu_page_size * num_workers
     row_stride = round_up(block_bytes, PAGE_SIZE)
+    if cpu_bytes_to_use < row_stride:
+        raise ConfigError(
+            f"cpu_bytes_to_use ({cpu_bytes_to_use}) is below one block row of {row_stride} bytes "
+            f"({num_workers} worker(s) x {cpu_page_size} bytes, rounded up to the page size): set "
+            f"cpu_bytes_to_use to at least {row_stride} (one row per CPU-tier block)"
+        )
     return RegionGeometry(cpu_page_size, block_bytes, row_stride, cpu_bytes_to_use // row_stride)
 
 
@@ -139,10 +148,22 @@ def region_path(instance_id: str, directory: str = DEFAULT_DIRECTORY) -> str:
     """Path of the region file of ``instance_id``.
 
     Raises:
-        ConfigError: ``instance_id`` is empty or contains a path separator or NUL.
+        ConfigError: ``instance_id`` is not a string, is empty, contains a path separator or
+            NUL, or is so long that a file name of the region (the sidecar's temp file
+            ``kvcascade_<instance_id>.owner_<pid>_<random>.tmp`` is the longest) would exceed
+            255 bytes; ``directory`` is not a string.
     """
-    if not instance_id or "/" in instance_id or "\0" in instance_id:
+    if not isinstance(instance_id, str) or not instance_id or {"/", "\0"} & set(instance_id):
         raise ConfigError(f"instance_id must be a non-empty file-name part, got {instance_id!r}")
+    if not isinstance(directory, str):
+        raise ConfigError(f"directory must be a str path, got {directory!r}")
+    limit = _NAME_MAX - len(f"{_PREFIX}.owner") - TEMP_SUFFIX_MAX_BYTES
+    if len(os.fsencode(instance_id)) > limit:
+        raise ConfigError(
+            f"instance_id {instance_id!r:.60} is {len(os.fsencode(instance_id))} bytes: the "
+            f"region's file names (kvcascade_<instance_id>.mmap / .owner and the owner record's "
+            f"temp file) would exceed {_NAME_MAX} bytes; use at most {limit} bytes"
+        )
     return os.path.join(directory, f"{_PREFIX}{instance_id}.mmap")
 
 
@@ -279,7 +300,9 @@ class SharedOffloadRegion:
         across all workers (``cpu_page_size × num_workers``). nbytes: file size.
 
     Raises:
-        ConfigError: a bad size or rank, or an existing file of another size.
+        ConfigError: a bad argument (a size, ``rank``, ``expected_participants``,
+            ``wait_timeout_s`` not a finite number >= 0, ``pin``, ``instance_id``, ``directory``:
+            refused before any file is touched), or an existing file of another size.
         InsufficientSpaceError: the file system lacks the space (no file is left behind).
         DeadlineExceededError: the creator did not size the file within ``wait_timeout_s``.
         OSError: mapping or ``madvise`` failed (other than ``EINVAL`` from the probe).
@@ -301,10 +324,13 @@ class SharedOffloadRegion:
         check_int("num_blocks", num_blocks, 1)
         check_int("cpu_page_size", cpu_page_size, 1)
         check_int("num_workers", num_workers, 1)
-        if rank is not None and not 0 <= rank < num_workers:
-            raise ConfigError(f"rank must be in [0, {num_workers}) or None, got {rank!r}")
-        if expected_participants is not None and expected_participants < 1:
-            raise ConfigError(f"expected_participants must be >= 1, got {expected_participants}")
+        if rank is not None and not (is_int(rank) and 0 <= rank < num_workers):
+            raise ConfigError(f"rank must be an int in [0, {num_workers}) or None, got {rank!r}")
+        if expected_participants is not None:
+            check_int("expected_participants", expected_participants, 1)
+        wait_timeout_s = check_number("wait_timeout_s", wait_timeout_s, 0)
+        if pin is not None and not isinstance(pin, bool):
+            raise ConfigError(f"pin must be a bool or None, got {pin!r}")
         self.path = region_path(instance_id, directory)
         self.num_blocks = num_blocks
         self.cpu_page_size = cpu_page_size

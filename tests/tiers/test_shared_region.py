@@ -367,6 +367,63 @@ def test_ftruncate_failure_cleans_up_creator(shm_dir: str, monkeypatch) -> None:
     assert os.listdir(shm_dir) == []
 
 
+# -- bad arguments -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kw", "shown"),
+    [
+        ({"instance_id": 123}, "123"),
+        ({"instance_id": None}, "None"),
+        ({"instance_id": "x" * 300}, "300 bytes"),
+        ({"instance_id": "é" * 104}, "208 bytes"),
+        ({"directory": 5}, "5"),
+        ({"rank": True}, "True"),
+        ({"rank": 0.5}, "0.5"),
+        ({"rank": "0"}, "'0'"),
+        ({"rank": 2}, "2"),
+        ({"expected_participants": 1.5}, "1.5"),
+        ({"expected_participants": "2"}, "'2'"),
+        ({"expected_participants": True}, "True"),
+        ({"expected_participants": 0}, "0"),
+        ({"wait_timeout_s": float("nan")}, "nan"),
+        ({"wait_timeout_s": -1}, "-1"),
+        ({"wait_timeout_s": "x"}, "'x'"),
+        ({"wait_timeout_s": float("inf")}, "inf"),
+        ({"pin": 1}, "1"),
+    ],
+)
+def test_bad_argument_is_refused_before_any_file(shm_dir: str, kw: dict, shown: str) -> None:
+    """A bad argument is a ConfigError naming it and its value, raised before any file is made
+    (instance_id 123 was a TypeError, 300 characters an OSError ENAMETOOLONG after the stale
+    scan, rank 0.5 a TypeError after the file was created, wait_timeout_s=nan waited for ever,
+    rank True and expected_participants 1.5 / True were accepted)."""
+    call = {
+        "instance_id": "bad",
+        "num_blocks": 4,
+        "cpu_page_size": PAGE,
+        "num_workers": 2,
+        "rank": 0,
+        "directory": shm_dir,
+        **kw,
+    }
+    with pytest.raises(ConfigError, match=next(iter(kw))) as info:
+        SharedOffloadRegion(**call)
+    assert shown in str(info.value)
+    assert os.listdir(shm_dir) == []
+
+
+def test_longest_instance_id_fits_every_file_name(shm_dir: str) -> None:
+    """The longest instance_id accepted (207 bytes) makes every file of the region, the owner
+    record's temp file included; one byte more is refused naming the limit."""
+    r = region(shm_dir, iid="x" * 207)
+    assert os.path.exists(r.path) and os.path.exists(r.path[: -len("mmap")] + "owner")
+    r.cleanup()
+    with pytest.raises(ConfigError, match="at most 207 bytes"):
+        region(shm_dir, iid="x" * 208)
+    assert os.listdir(shm_dir) == []
+
+
 # -- zero-copy views and the HostBuffer interface ------------------------------------------------
 
 
@@ -415,6 +472,22 @@ def test_sizing_from_config() -> None:
     for bad in (None, 0, -5):
         with pytest.raises(ConfigError, match=r"cpu_bytes_to_use must be specified.*set "):
             region_geometry(bad, 32)
+
+
+def test_sizing_refuses_a_budget_below_one_row_and_zero_blocks_per_chunk() -> None:
+    """A budget below one row was 0 blocks without a word, blocks_per_chunk=0 a
+    ZeroDivisionError: both are ConfigErrors saying what to set."""
+    with pytest.raises(
+        ConfigError,
+        match=r"cpu_bytes_to_use \(1000\) is below one block row of "
+        r"4096 bytes.*at least 4096",
+    ):
+        region_geometry(1000, 32)
+    with pytest.raises(ConfigError, match=r"cpu_bytes_to_use \(12287\).*12288 bytes"):
+        region_geometry(12287, 3000, num_workers=2, blocks_per_chunk=2)
+    assert region_geometry(4096, 32).num_blocks == 1
+    with pytest.raises(ConfigError, match="blocks_per_chunk must be an int >= 1, got 0"):
+        region_geometry(4096, 32, blocks_per_chunk=0)
 
 
 # -- crash safety --------------------------------------------------------------------------------
