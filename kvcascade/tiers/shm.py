@@ -38,6 +38,7 @@ Life cycle (see ``docs/cpu-tier.md``):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import glob
@@ -46,6 +47,7 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,10 +69,12 @@ _CREATION_GRACE_S = 60.0
 _PREFIX = "kvcascade_"
 # Longest file name a file system takes (NAME_MAX of Linux), in bytes.
 _NAME_MAX = 255
-# Sidecar record: magic, owner pid, owner start time (clock ticks after boot), st_dev, st_ino of
-# the region file, number of participants that have mapped it.
-_OWNER = struct.Struct("<8sqQQQq")
-_MAGIC = b"KVCSHM01"
+# Sidecar record: magic, creator pid, creator start time (clock ticks after boot), st_dev, st_ino
+# of the region file, num_blocks, cpu_page_size, num_workers, expected_participants (0: None);
+# then the bitmap of attached participants, num_workers // 8 + 1 bytes, little-endian (bit r:
+# rank r, bit num_workers: the scheduler).
+_OWNER = struct.Struct("<8sqQQQqqqq")
+_MAGIC = b"KVCSHM02"
 _cuda_skip_logged = False
 
 
@@ -187,17 +191,82 @@ def _owner_alive(pid: int, start_time: int) -> bool:
     return pid > 0 and process_start_time(pid) == start_time
 
 
-def _read_owner(path: str) -> tuple[int, int, int, int, int] | None:
-    """(pid, start time, st_dev, st_ino, attached) from a sidecar, or None if absent/invalid."""
+@dataclass(frozen=True)
+class _OwnerRecord:
+    """The sidecar's record: who created which region file, for which geometry, and which
+    participants have attached (``attached``: bit ``r`` for rank ``r``, bit ``num_workers`` for
+    the scheduler)."""
+
+    pid: int
+    start_time: int
+    st_dev: int
+    st_ino: int
+    num_blocks: int
+    cpu_page_size: int
+    num_workers: int
+    expected_participants: int | None
+    attached: int
+
+    @property
+    def geometry(self) -> tuple[int, int, int, int | None]:
+        """``(num_blocks, cpu_page_size, num_workers, expected_participants)``."""
+        return (self.num_blocks, self.cpu_page_size, self.num_workers, self.expected_participants)
+
+    def names(self, st: os.stat_result) -> bool:
+        """True if the record is about the file of ``st`` (same device and inode)."""
+        return (self.st_dev, self.st_ino) == (st.st_dev, st.st_ino)
+
+    def pack(self) -> bytes:
+        """The record as stored in the sidecar."""
+        head = _OWNER.pack(
+            _MAGIC,
+            self.pid,
+            self.start_time,
+            self.st_dev,
+            self.st_ino,
+            *self.geometry[:3],
+            self.expected_participants or 0,
+        )
+        return head + self.attached.to_bytes(self.num_workers // 8 + 1, "little")
+
+    @classmethod
+    def unpack(cls, data: bytes) -> _OwnerRecord | None:
+        """The record in ``data``, or None if it is not a whole record of this format."""
+        if len(data) < _OWNER.size:
+            return None
+        magic, pid, start, dev, ino, blocks, page, workers, expected = _OWNER.unpack_from(data)
+        if magic != _MAGIC or workers < 1 or len(data) != _OWNER.size + workers // 8 + 1:
+            return None
+        attached = int.from_bytes(data[_OWNER.size :], "little")
+        return cls(pid, start, dev, ino, blocks, page, workers, expected or None, attached)
+
+
+def _describe(geometry: tuple[int, int, int, int | None]) -> str:
+    blocks, page, workers, expected = geometry
+    return (
+        f"num_blocks={blocks}, cpu_page_size={page}, num_workers={workers}, "
+        f"expected_participants={expected}"
+    )
+
+
+def _read_owner(path: str) -> _OwnerRecord | None:
+    """The record of sidecar ``path``, or None if it is absent or not a valid record."""
     try:
         with open(path, "rb") as f:
-            data = f.read(_OWNER.size)
+            return _OwnerRecord.unpack(f.read())
     except OSError:
         return None
-    if len(data) != _OWNER.size:
-        return None
-    magic, *fields = _OWNER.unpack(data)
-    return tuple(fields) if magic == _MAGIC else None  # type: ignore[return-value]
+
+
+def _remove_record(sidecar: str, st: os.stat_result) -> bool:
+    """Unlink ``sidecar`` if its record is about the file of ``st``; True if it was unlinked."""
+    owner = _read_owner(sidecar)
+    if owner is None or not owner.names(st):
+        return False
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(sidecar)
+        return True
+    return False
 
 
 def _same_file(path: str, st: os.stat_result) -> bool:
@@ -234,24 +303,26 @@ def remove_stale_regions(directory: str = DEFAULT_DIRECTORY) -> list[str]:
                 continue  # a live participant maps it
             st = os.fstat(fd)
             owner = _read_owner(_sidecar_path(path))
-            recorded = owner is not None and (owner[2], owner[3]) == (st.st_dev, st.st_ino)
-            if recorded and _owner_alive(owner[0], owner[1]):  # type: ignore[index]
+            recorded = owner is not None and owner.names(st)
+            if owner is not None and recorded and _owner_alive(owner.pid, owner.start_time):
                 continue  # its creator is alive (and about to lock it)
             if not recorded and time.time() - st.st_mtime < _CREATION_GRACE_S:
                 continue  # no owner record yet: possibly being created by a live process
             if _same_file(path, st):
                 os.unlink(path)
                 removed.append(path)
-                if recorded:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(_sidecar_path(path))
-                        removed.append(_sidecar_path(path))
+                if _remove_record(_sidecar_path(path), st):
+                    removed.append(_sidecar_path(path))
         finally:
             os.close(fd)
     for sidecar in glob.glob(os.path.join(glob.escape(directory), f"{_PREFIX}*.owner")):
         owner = _read_owner(sidecar)
         region = sidecar[: -len(".owner")] + ".mmap"
-        if owner is not None and not os.path.exists(region) and not _owner_alive(*owner[:2]):
+        if (
+            owner is not None
+            and not os.path.exists(region)
+            and not _owner_alive(owner.pid, owner.start_time)
+        ):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(sidecar)
                 removed.append(sidecar)
@@ -328,6 +399,11 @@ class SharedOffloadRegion:
             raise ConfigError(f"rank must be an int in [0, {num_workers}) or None, got {rank!r}")
         if expected_participants is not None:
             check_int("expected_participants", expected_participants, 1)
+            if expected_participants > num_workers + 1:
+                raise ConfigError(
+                    f"expected_participants must be at most num_workers + 1 (the workers and "
+                    f"the scheduler) = {num_workers + 1}, got {expected_participants}"
+                )
         wait_timeout_s = check_number("wait_timeout_s", wait_timeout_s, 0)
         if pin is not None and not isinstance(pin, bool):
             raise ConfigError(f"pin must be a bool or None, got {pin!r}")
@@ -340,6 +416,10 @@ class SharedOffloadRegion:
         self.row_stride = round_up(self.block_bytes, PAGE_SIZE)
         self.nbytes = num_blocks * self.row_stride
         self.is_creator = False
+        self._geometry = (num_blocks, cpu_page_size, num_workers, expected_participants)
+        # This participant's bit in the owner record's bitmap; set while ``_claimed``.
+        self._slot = 1 << (num_workers if rank is None else rank)
+        self._claimed = False
         self._cursor = 0
         self._fd: int | None = None
         self._st: os.stat_result | None = None
@@ -358,7 +438,6 @@ class SharedOffloadRegion:
                 num_blocks, self.row_stride
             )
             self._prefault()
-            self._count_participant(expected_participants)
             if pin if pin is not None else rank is not None:
                 self._pin()
         except BaseException:
@@ -367,8 +446,9 @@ class SharedOffloadRegion:
 
     # -- creation ------------------------------------------------------------------------------
     def _open(self, wait_timeout_s: float) -> None:
-        """Create or attach to the file; afterwards ``_fd`` is sized, locked shared, and the
-        path names it."""
+        """Create or attach to the file; afterwards ``_fd`` is sized and locked shared, the path
+        names it (unless the last expected participant unlinked it), and this participant holds
+        its slot in the owner record."""
         deadline = time.monotonic() + wait_timeout_s
         while True:
             try:
@@ -388,15 +468,21 @@ class SharedOffloadRegion:
             self._fd, self._st, self.is_creator = fd, st, creator
             try:
                 if creator:
-                    self._size_new_file()
+                    self._create()
                 else:
-                    self._wait_for_size(deadline)
+                    self._join(deadline)
             except BaseException:
                 self._release_fd(unlink=creator)
                 raise
             return
 
-    def _size_new_file(self) -> None:
+    def _create(self) -> None:
+        """Check the space, write the owner record (geometry, this participant's slot), then
+        size the file.
+
+        Raises:
+            InsufficientSpaceError: the file system lacks the space.
+        """
         assert self._fd is not None and self._st is not None
         directory = os.path.dirname(self.path)
         vfs = os.statvfs(directory)
@@ -407,68 +493,112 @@ class SharedOffloadRegion:
                 f"{self.nbytes} bytes, available {available} bytes in {directory} (lower "
                 "cpu_bytes_to_use or enlarge the file system)"
             )
-        os.ftruncate(self._fd, self.nbytes)
-        record = _OWNER.pack(
-            _MAGIC,
-            os.getpid(),
-            process_start_time(os.getpid()) or 0,
+        pid = os.getpid()
+        record = _OwnerRecord(
+            pid,
+            process_start_time(pid) or 0,
             self._st.st_dev,
             self._st.st_ino,
-            0,
+            *self._geometry,
+            attached=self._slot,
         )
-        replace_file(_sidecar_path(self.path), record)
+        # Before sizing: a joiner accepts the file only once the record names it.
+        replace_file(_sidecar_path(self.path), record.pack())
+        self._claimed = True
+        os.ftruncate(self._fd, self.nbytes)
+        self._unlink_if_complete(record)
 
-    def _wait_for_size(self, deadline: float) -> None:
-        assert self._fd is not None
-        while True:
-            size = os.fstat(self._fd).st_size
-            if size == self.nbytes:
-                return
-            if size:
-                raise ConfigError(
-                    f"{self.path} exists with {size} bytes, this participant expects "
-                    f"{self.nbytes} (num_blocks × row_stride): all participants must use one "
-                    "geometry per instance_id"
-                )
-            if time.monotonic() >= deadline:
-                raise DeadlineExceededError(f"{self.path} was not sized by its creator in time")
-            time.sleep(_POLL_S)
+    def _join(self, deadline: float) -> None:
+        """Wait until the creator has recorded and sized the file, check that the record holds
+        this participant's geometry, and claim this participant's slot.
 
-    def _count_participant(self, expected: int | None) -> None:
-        """Count this mapping in the sidecar; the last expected participant unlinks the files."""
-        if expected is None:
-            return
-        assert self._st is not None
+        Raises:
+            ConfigError: the record holds another geometry or ``expected_participants``, or
+                another participant holds this slot.
+            DeadlineExceededError: the file was not recorded and sized before ``deadline``
+                (``time.monotonic()`` seconds).
+        """
+        assert self._fd is not None and self._st is not None
         sidecar = _sidecar_path(self.path)
-        deadline = time.monotonic() + 30.0
         while True:
-            try:
-                fd = os.open(sidecar, os.O_RDWR | os.O_NOFOLLOW)
-            except FileNotFoundError:
-                fd = None
-            if fd is not None:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                magic, pid, start, dev, ino, attached = _OWNER.unpack(
-                    os.pread(fd, _OWNER.size, 0).ljust(_OWNER.size, b"\0")
-                )
-                if magic == _MAGIC and (dev, ino) == (self._st.st_dev, self._st.st_ino):
-                    break
-                os.close(fd)  # an older generation's record: the creator replaces it soon
+            owner = _read_owner(sidecar)
+            if owner is not None and owner.names(self._st):
+                if owner.geometry != self._geometry:
+                    raise ConfigError(
+                        f"{self.path} was created for {_describe(owner.geometry)}; this "
+                        f"participant has {_describe(self._geometry)}: all participants must "
+                        "use one geometry per instance_id (and one expected_participants)"
+                    )
+                if os.fstat(self._fd).st_size == self.nbytes and self._claim_slot():
+                    return
             if time.monotonic() >= deadline:
                 raise DeadlineExceededError(
-                    f"{sidecar} was not written by the creator of {self.path}"
+                    f"{self.path} was not recorded and sized by its creator within wait_timeout_s"
                 )
             time.sleep(_POLL_S)
+
+    @contextlib.contextmanager
+    def _locked_record(self) -> Iterator[tuple[int, _OwnerRecord] | None]:
+        """The sidecar's descriptor, locked exclusively, with its record, if the sidecar path
+        still names it and the record is about this region's file; else None."""
+        assert self._st is not None
+        sidecar = _sidecar_path(self.path)
         try:
-            attached += 1
-            os.pwrite(fd, _OWNER.pack(magic, pid, start, dev, ino, attached), 0)
-            if attached >= expected:
-                if _same_file(self.path, self._st):
-                    os.unlink(self.path)
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(sidecar)
+            fd = os.open(sidecar, os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            yield None
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            st = os.fstat(fd)
+            owner = _OwnerRecord.unpack(os.pread(fd, st.st_size, 0))
+            if owner is not None and owner.names(self._st) and _same_file(sidecar, st):
+                yield fd, owner
+            else:
+                yield None
         finally:
             os.close(fd)  # also drops the lock
+
+    def _claim_slot(self) -> bool:
+        """Mark this participant attached in the owner record; the last expected participant
+        unlinks the file and the sidecar.
+
+        Returns:
+            False if the record is gone or no longer about this file (nothing claimed).
+
+        Raises:
+            ConfigError: another participant holds this slot (another engine with this
+                instance_id, or a duplicate rank).
+        """
+        with self._locked_record() as locked:
+            if locked is None:
+                return False
+            fd, owner = locked
+            if owner.attached & self._slot:
+                who = "the scheduler (rank None)" if self.rank is None else f"rank {self.rank}"
+                raise ConfigError(
+                    f"{self.path}: {who} is already attached (the region was created by pid "
+                    f"{owner.pid}): another engine with this instance_id seems alive; stop it "
+                    "or give this engine its own instance_id"
+                )
+            owner = dataclasses.replace(owner, attached=owner.attached | self._slot)
+            os.pwrite(fd, owner.pack(), 0)
+            self._claimed = True
+            self._unlink_if_complete(owner)
+        return True
+
+    def _unlink_if_complete(self, owner: _OwnerRecord) -> None:
+        """Unlink the file and the sidecar once ``expected_participants`` have attached."""
+        expected = owner.expected_participants
+        if expected is not None and owner.attached.bit_count() >= expected:
+            self._unlink_files()
+
+    def _unlink_files(self) -> None:
+        """Unlink the file and the sidecar, each only if it is still this region's."""
+        assert self._st is not None
+        if _same_file(self.path, self._st):
+            os.unlink(self.path)
+        _remove_record(_sidecar_path(self.path), self._st)
 
     def _prefault(self) -> None:
         """Fault in the pages this participant uses (its slots, or everything)."""
@@ -573,16 +703,19 @@ class SharedOffloadRegion:
 
     # -- teardown --------------------------------------------------------------------------
     def _release_fd(self, unlink: bool) -> None:
+        """Close the file (dropping the lock); with ``unlink`` also unlink the files, else give
+        back this participant's slot in the owner record."""
         if self._fd is None:
             return
-        if unlink and self._st is not None:
-            if _same_file(self.path, self._st):
-                os.unlink(self.path)
-            sidecar = _sidecar_path(self.path)
-            owner = _read_owner(sidecar)
-            if owner is not None and (owner[2], owner[3]) == (self._st.st_dev, self._st.st_ino):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(sidecar)
+        if unlink:
+            self._unlink_files()
+        elif self._claimed:
+            with self._locked_record() as locked:
+                if locked is not None:
+                    fd, owner = locked
+                    owner = dataclasses.replace(owner, attached=owner.attached & ~self._slot)
+                    os.pwrite(fd, owner.pack(), 0)
+        self._claimed = False
         os.close(self._fd)  # also drops the flock
         self._fd = None
 

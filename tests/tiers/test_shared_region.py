@@ -25,6 +25,7 @@ import torch
 
 from kvcascade import ConfigError
 from kvcascade.tiers import shm
+from kvcascade.tiers.cpu import round_up
 from kvcascade.tiers.shm import (
     InsufficientSpaceError,
     SharedOffloadRegion,
@@ -62,6 +63,17 @@ def small_tmpfs(tmp_path) -> Iterator[str]:
         yield str(mount)
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def write_record(
+    path: str, pid: int, start_time: int, blocks: int = 4, page: int = PAGE, workers: int = 1
+) -> None:
+    """Write the owner record of region file ``path`` (module's own format), as a creator of
+    that geometry does before sizing the file."""
+    st = os.stat(path)
+    record = shm._OwnerRecord(pid, start_time, st.st_dev, st.st_ino, blocks, page, workers, None, 0)
+    with open(path[: -len(".mmap")] + ".owner", "wb") as f:
+        f.write(record.pack())
 
 
 def region(
@@ -292,16 +304,22 @@ def test_multi_worker_race_exactly_one_creator(shm_dir: str) -> None:
 
 def test_wait_for_file_size(shm_dir: str) -> None:
     """vLLM test_wait_for_file_size_already_large_enough / test_wait_for_file_size_waits_for_grow: a
-    joiner returns at once for a sized file and waits for a growing one."""
+    joiner returns at once for a sized file and waits for a growing one (a creator here that
+    writes the owner record and then sizes the file)."""
     path = os.path.join(shm_dir, "kvcascade_w.mmap")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    timer = threading.Timer(0.2, os.ftruncate, (fd, 4 * PAGE))
+
+    def create() -> None:
+        write_record(path, os.getpid(), shm.process_start_time(os.getpid()) or 0)
+        os.ftruncate(fd, 4 * PAGE)
+
+    timer = threading.Timer(0.2, create)
     timer.start()
     t0 = time.monotonic()
     r = region(shm_dir, iid="w", rank=None, wait_timeout_s=10)
     assert 0.15 <= time.monotonic() - t0 < 5 and not r.is_creator
     t0 = time.monotonic()
-    r2 = region(shm_dir, iid="w", rank=None, wait_timeout_s=10)
+    r2 = region(shm_dir, iid="w", rank=0, wait_timeout_s=10)
     assert time.monotonic() - t0 < 0.5
     r2.cleanup()
     r.cleanup()
@@ -323,6 +341,65 @@ def test_joiner_with_other_geometry_fails(shm_dir: str) -> None:
     with pytest.raises(ConfigError, match="one geometry per instance_id"):
         region(shm_dir, blocks=8)
     r.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ((4, 100, 1), (4, 200, 1)),  # 100-byte vs 200-byte blocks, both one page a row
+        ((4, PAGE, 2), (4, 2 * PAGE, 1)),  # 2 workers × 4 KiB vs 1 worker × 8 KiB
+        ((8, PAGE, 1), (4, 2 * PAGE, 1)),  # 8 rows of 4 KiB vs 4 rows of 8 KiB
+    ],
+)
+def test_joiner_with_other_geometry_of_same_file_size_fails(
+    shm_dir: str, a: tuple[int, int, int], b: tuple[int, int, int]
+) -> None:
+    """Another geometry with the same file size was accepted (each side then read the other's
+    rows wrongly): the owner record holds the geometry and the joiner is refused, naming both."""
+    first = SharedOffloadRegion("g", a[0], a[1], a[2], None, directory=shm_dir)
+    assert first.nbytes == b[0] * round_up(b[1] * b[2], PAGE)
+    with pytest.raises(ConfigError, match="one geometry per instance_id") as info:
+        SharedOffloadRegion("g", b[0], b[1], b[2], None, directory=shm_dir)
+    msg = str(info.value)
+    assert f"num_blocks={a[0]}, cpu_page_size={a[1]}, num_workers={a[2]}" in msg
+    assert f"num_blocks={b[0]}, cpu_page_size={b[1]}, num_workers={b[2]}" in msg
+    assert os.path.exists(first.path)
+    first.cleanup()
+
+
+def test_participants_disagreeing_on_expected_participants_fail(shm_dir: str) -> None:
+    """A worker expecting 2 participants where the scheduler expects 3 unlinked the file early
+    and the next worker made a second region: it is refused, the file stays, and the worker
+    that agrees joins the scheduler's file."""
+    sched = region(shm_dir, rank=None, workers=2, expected_participants=3)
+    with pytest.raises(ConfigError, match=r"expected_participants=3.*expected_participants=2"):
+        region(shm_dir, rank=0, workers=2, expected_participants=2)
+    assert sorted(os.listdir(shm_dir)) == ["kvcascade_r.mmap", "kvcascade_r.owner"]
+    w1 = region(shm_dir, rank=1, workers=2, expected_participants=3)
+    assert not w1.is_creator
+    w1.create_next_worker_view(PAGE)[0].fill_(5)
+    assert sched.row(0)[PAGE] == 5
+    w1.cleanup()
+    sched.cleanup()
+
+
+@pytest.mark.parametrize("rank", [0, None])
+def test_second_participant_for_one_slot_fails(shm_dir: str, rank: int | None) -> None:
+    """Two participants claiming one slot (a duplicate rank, or another engine with this
+    instance_id) were both accepted: the second is refused naming the path, the slot and the
+    creator's pid; once the first detaches, the slot is free again."""
+    first = region(shm_dir, rank=rank, workers=2)
+    who = "the scheduler (rank None)" if rank is None else "rank 0"
+    with pytest.raises(ConfigError, match="another engine with this instance_id seems alive") as e:
+        region(shm_dir, rank=rank, workers=2)
+    assert f"{first.path}: {who} is already attached" in str(e.value)
+    assert f"pid {os.getpid()}" in str(e.value)
+    other = region(shm_dir, rank=1, workers=2)
+    other.cleanup()
+    again = region(shm_dir, rank=1, workers=2)
+    assert not again.is_creator
+    again.cleanup()
+    first.cleanup()
 
 
 # -- space and sizing failures (vLLM test_insufficient_space_*, test_ftruncate_*) ---------------
@@ -501,10 +578,7 @@ def test_stale_region_of_dead_owner_is_removed_live_one_kept(shm_dir: str) -> No
     path = os.path.join(shm_dir, "kvcascade_dead.mmap")
     with open(path, "wb") as f:
         f.write(b"\0" * PAGE)
-    st = os.stat(path)
-    record = shm._OWNER.pack(shm._MAGIC, child.pid, 12345, st.st_dev, st.st_ino, 0)
-    with open(path[: -len(".mmap")] + ".owner", "wb") as f:
-        f.write(record)
+    write_record(path, child.pid, 12345, blocks=1)
     live = region(shm_dir, iid="live")
     assert sorted(os.listdir(shm_dir)) == ["kvcascade_live.mmap", "kvcascade_live.owner"]
     assert remove_stale_regions(shm_dir) == []
@@ -581,12 +655,12 @@ def _tmpfs_used(directory: str) -> int:
 def test_kill_9_restarts_leave_usage_flat(shm_dir: str) -> None:
     """vLLM #54002 (the region file leaks on a crash): kill -9 of every participant, restarted 5
     times with the same instance id, leaves /dev/shm usage flat. One participant never shows up
-    (expected 4, 3 run), so the file is not unlinked early and each restart's stale cleanup must
-    remove it."""
-    blocks = 64  # 64 rows × 8 KiB = 512 KiB per generation
+    (3 workers and the scheduler expected, worker 2 never runs), so the file is not unlinked
+    early and each restart's stale cleanup must remove it."""
+    blocks = 64  # 64 rows × 12 KiB = 768 KiB per generation
     sizes, files = [], []
     for _ in range(5):
-        procs = [spawn(shm_dir, "crash", rank, 2, 4, blocks) for rank in ("0", "1", "s")]
+        procs = [spawn(shm_dir, "crash", rank, 3, 4, blocks) for rank in ("0", "1", "s")]
         for p in procs:
             assert p.stdout.readline().startswith("ready")
         files.append(sorted(os.listdir(shm_dir)))
@@ -600,7 +674,7 @@ def test_kill_9_restarts_leave_usage_flat(shm_dir: str) -> None:
             p.stdin.close()
             p.stdout.close()
     assert all(f == ["kvcascade_crash.mmap", "kvcascade_crash.owner"] for f in files)
-    assert max(sizes) == min(sizes) and sizes[0] <= blocks * 2 * PAGE + 2 * PAGE
+    assert max(sizes) == min(sizes) and sizes[0] <= blocks * 3 * PAGE + 2 * PAGE
     used_before = _tmpfs_used(shm_dir)
     assert remove_stale_regions(shm_dir) == [
         os.path.join(shm_dir, "kvcascade_crash.mmap"),
