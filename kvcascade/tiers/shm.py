@@ -469,12 +469,13 @@ class SharedOffloadRegion:
             try:
                 if creator:
                     self._create()
-                else:
-                    self._join(deadline)
+                    return
+                if self._join(deadline):
+                    return
             except BaseException:
                 self._release_fd(unlink=creator)
                 raise
-            return
+            self._release_fd(unlink=False)  # unlinked or replaced meanwhile: race again
 
     def _create(self) -> None:
         """Check the space, write the owner record (geometry, this participant's slot), then
@@ -508,9 +509,13 @@ class SharedOffloadRegion:
         os.ftruncate(self._fd, self.nbytes)
         self._unlink_if_complete(record)
 
-    def _join(self, deadline: float) -> None:
+    def _join(self, deadline: float) -> bool:
         """Wait until the creator has recorded and sized the file, check that the record holds
         this participant's geometry, and claim this participant's slot.
+
+        Returns:
+            False if the path stopped naming the file meanwhile (its creator failed and removed
+            it, or a stale cleanup did, maybe with a new file there already): nothing claimed.
 
         Raises:
             ConfigError: the record holds another geometry or ``expected_participants``, or
@@ -520,7 +525,7 @@ class SharedOffloadRegion:
         """
         assert self._fd is not None and self._st is not None
         sidecar = _sidecar_path(self.path)
-        while True:
+        while _same_file(self.path, self._st):
             owner = _read_owner(sidecar)
             if owner is not None and owner.names(self._st):
                 if owner.geometry != self._geometry:
@@ -530,12 +535,13 @@ class SharedOffloadRegion:
                         "use one geometry per instance_id (and one expected_participants)"
                     )
                 if os.fstat(self._fd).st_size == self.nbytes and self._claim_slot():
-                    return
+                    return True
             if time.monotonic() >= deadline:
                 raise DeadlineExceededError(
                     f"{self.path} was not recorded and sized by its creator within wait_timeout_s"
                 )
             time.sleep(_POLL_S)
+        return False
 
     @contextlib.contextmanager
     def _locked_record(self) -> Iterator[tuple[int, _OwnerRecord] | None]:

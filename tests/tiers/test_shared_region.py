@@ -6,6 +6,7 @@ views."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import mmap
@@ -333,6 +334,44 @@ def test_wait_for_file_size_timeout(shm_dir: str) -> None:
     with pytest.raises(TimeoutError):
         region(shm_dir, iid="t", wait_timeout_s=0.2)
     os.close(fd)
+
+
+def test_joiner_races_again_when_its_file_is_unlinked(shm_dir: str) -> None:
+    """A joiner waiting on a file whose creator failed and removed it kept polling the unlinked
+    file until wait_timeout_s, even with a healthy region at the path meanwhile: it notices,
+    races again and ends up in the same region as the new participant (one of them creates)."""
+    path = os.path.join(shm_dir, "kvcascade_e.mmap")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # a creator, mid-creation
+    result: dict[str, object] = {}
+
+    def join() -> None:
+        try:
+            result["r"] = region(shm_dir, iid="e", rank=0, workers=2, wait_timeout_s=3)
+        except Exception as exc:  # reported by the assertion below
+            result["r"] = exc
+
+    thread = threading.Thread(target=join)
+    thread.start()
+    while thread.is_alive():  # until the joiner holds its shared lock on the file
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            break
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        time.sleep(0.005)
+    os.unlink(path)  # the first creator fails and removes its file
+    os.close(fd)
+    new = region(shm_dir, iid="e", rank=1, workers=2)
+    thread.join()
+    joiner = result["r"]
+    assert isinstance(joiner, SharedOffloadRegion), joiner
+    assert joiner.is_creator != new.is_creator
+    assert os.fstat(joiner._fd).st_ino == os.fstat(new._fd).st_ino
+    joiner.create_next_worker_view(PAGE)[2].fill_(3)
+    assert new.row(2)[0] == 3
+    for r in sorted((joiner, new), key=lambda r: r.is_creator):
+        r.cleanup()
+    assert os.listdir(shm_dir) == []
 
 
 def test_joiner_with_other_geometry_fails(shm_dir: str) -> None:
