@@ -280,12 +280,16 @@ def _same_file(path: str, st: os.stat_result) -> bool:
 def remove_stale_regions(directory: str = DEFAULT_DIRECTORY) -> list[str]:
     """Unlink region files (and their sidecars) left behind by crashed engines.
 
-    A region is stale when no live process holds its ``flock`` (every participant holds a shared
-    lock while it maps the file; the kernel drops it when the process dies, ``kill -9``
-    included) and its recorded owner is not alive. Before unlinking, the path must still name
-    the locked file (same ``st_dev``/``st_ino``), so a region created meanwhile by a new
-    generation is never removed. Sidecars whose region is gone and whose owner is dead are
-    removed too.
+    A region whose owner record names it is stale when its recorded creator (pid + start time)
+    is dead, even while a lingering participant of that dead generation still holds its
+    ``flock``: that participant keeps its mapping (unlinking frees nothing under it), and a new
+    generation with the same instance_id gets a fresh file instead of joining the dead one. A
+    region without a matching record (its creator may not have written it yet) is stale only
+    when no live process holds its ``flock`` (every participant holds a shared lock while it
+    maps the file; the kernel drops it when the process dies, ``kill -9`` included) and it is
+    older than a minute. Before unlinking, the path must still name the file examined (same
+    ``st_dev``/``st_ino``), so a region created meanwhile by a new generation is never removed.
+    Sidecars whose region is gone and whose owner is dead are removed too.
 
     Returns:
         The paths removed.
@@ -297,17 +301,18 @@ def remove_stale_regions(directory: str = DEFAULT_DIRECTORY) -> list[str]:
         except OSError:
             continue
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a live participant maps it
             st = os.fstat(fd)
             owner = _read_owner(_sidecar_path(path))
-            recorded = owner is not None and owner.names(st)
-            if owner is not None and recorded and _owner_alive(owner.pid, owner.start_time):
-                continue  # its creator is alive (and about to lock it)
-            if not recorded and time.time() - st.st_mtime < _CREATION_GRACE_S:
-                continue  # no owner record yet: possibly being created by a live process
+            if owner is not None and owner.names(st):
+                if _owner_alive(owner.pid, owner.start_time):
+                    continue  # its creator is alive
+            else:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # no record yet and a live participant maps it
+                if time.time() - st.st_mtime < _CREATION_GRACE_S:
+                    continue  # no owner record yet: possibly being created by a live process
             if _same_file(path, st):
                 os.unlink(path)
                 removed.append(path)

@@ -686,6 +686,39 @@ def test_two_workers_and_scheduler_share_writes_and_unlink_early(shm_dir: str) -
         p.stdout.close()
 
 
+def test_new_generation_replaces_dead_one_a_lingering_worker_still_maps(shm_dir: str) -> None:
+    """Generation 1's creator (the scheduler) is killed -9 while its worker 0 lingers, holding
+    the file's lock: generation 2 with the same instance_id joined that file (and split itself
+    over two files). The dead creator makes the file stale: generation 2 gets a fresh file of its
+    own and shares it, while the old worker keeps its old mapping."""
+    old_sched = spawn(shm_dir, "gen", "s", 2, 3)
+    assert old_sched.stdout.readline().split() == ["ready", "True"]
+    old_worker = spawn(shm_dir, "gen", "0", 2, 3)
+    assert old_worker.stdout.readline().split() == ["ready", "False"]
+    os.kill(old_sched.pid, signal.SIGKILL)
+    old_sched.wait(timeout=30)
+    sched = region(shm_dir, iid="gen", rank=None, workers=2, expected_participants=3)
+    workers = [
+        region(shm_dir, iid="gen", rank=r, workers=2, expected_participants=3) for r in (0, 1)
+    ]
+    assert sched.is_creator and not any(w.is_creator for w in workers)
+    assert os.listdir(shm_dir) == []  # all three attached: unlinked early
+    for w in workers:
+        w.create_next_worker_view(PAGE).fill_(11 * (w.rank + 1))
+    assert [sched.row(3)[0], sched.row(3)[PAGE]] == [11, 22]
+    old_worker.stdin.write("\n")
+    old_worker.stdin.flush()
+    assert json.loads(old_worker.stdout.readline()) == [[1, 0]] * 4  # its own old region
+    old_worker.stdin.write("\n")
+    old_worker.stdin.close()
+    assert old_worker.wait(timeout=30) == 0
+    for p in (old_sched, old_worker):
+        p.stdout.close()
+    old_sched.stdin.close()
+    for r in (*workers, sched):
+        r.cleanup()
+
+
 def _tmpfs_used(directory: str) -> int:
     vfs = os.statvfs(directory)
     return (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize
