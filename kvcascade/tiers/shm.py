@@ -483,22 +483,16 @@ class SharedOffloadRegion:
             self._release_fd(unlink=False)  # unlinked or replaced meanwhile: race again
 
     def _create(self) -> None:
-        """Check the space, write the owner record (geometry, this participant's slot), then
-        size the file.
+        """Check the space (the file and the sidecar's page), write the owner record (geometry,
+        this participant's slot), then reserve the file's space with ``posix_fallocate`` (or
+        size it with ``ftruncate`` where the file system has no fallocate).
 
         Raises:
-            InsufficientSpaceError: the file system lacks the space.
+            InsufficientSpaceError: the file system lacks the space (also ``ENOSPC`` / ``EFBIG``
+                from ``posix_fallocate``).
+            OSError: writing the record or sizing the file failed otherwise.
         """
         assert self._fd is not None and self._st is not None
-        directory = os.path.dirname(self.path)
-        vfs = os.statvfs(directory)
-        available = vfs.f_bavail * vfs.f_frsize
-        if self.nbytes > available:
-            raise InsufficientSpaceError(
-                f"Insufficient space for the shared offload region {self.path}: requested "
-                f"{self.nbytes} bytes, available {available} bytes in {directory} (lower "
-                "cpu_bytes_to_use or enlarge the file system)"
-            )
         pid = os.getpid()
         record = _OwnerRecord(
             pid,
@@ -508,11 +502,36 @@ class SharedOffloadRegion:
             *self._geometry,
             attached=self._slot,
         )
+        data = record.pack()
+        record_bytes = round_up(len(data), PAGE_SIZE)
+        if self.nbytes + record_bytes > self._available():
+            raise self._no_space(record_bytes)
         # Before sizing: a joiner accepts the file only once the record names it.
-        replace_file(_sidecar_path(self.path), record.pack())
+        replace_file(_sidecar_path(self.path), data)
         self._claimed = True
-        os.ftruncate(self._fd, self.nbytes)
+        try:
+            # Allocates every page now: a prefault (or a peer's) cannot run out of space later.
+            os.posix_fallocate(self._fd, 0, self.nbytes)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EFBIG):
+                raise self._no_space(record_bytes) from exc
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.ftruncate(self._fd, self.nbytes)  # no fallocate on this file system
         self._unlink_if_complete(record)
+
+    def _available(self) -> int:
+        """Bytes free for us on the file system of the region (``statvfs``)."""
+        vfs = os.statvfs(os.path.dirname(self.path))
+        return vfs.f_bavail * vfs.f_frsize
+
+    def _no_space(self, record_bytes: int) -> InsufficientSpaceError:
+        return InsufficientSpaceError(
+            f"Insufficient space for the shared offload region {self.path}: requested "
+            f"{self.nbytes} bytes (+ {record_bytes} for its owner record), available "
+            f"{self._available()} bytes in {os.path.dirname(self.path)} (lower "
+            "cpu_bytes_to_use or enlarge the file system)"
+        )
 
     def _join(self, deadline: float) -> bool:
         """Wait until the creator has recorded and sized the file, check that the record holds

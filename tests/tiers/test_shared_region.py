@@ -470,17 +470,95 @@ def test_too_large_region_on_small_tmpfs_fails_at_init(small_tmpfs: str) -> None
     assert os.listdir(small_tmpfs) == []
 
 
-def test_ftruncate_failure_cleans_up_creator(shm_dir: str, monkeypatch) -> None:
-    """vLLM test_ftruncate_failure_cleans_up_creator: a failing ftruncate unlinks and closes before
-    re-raising."""
+def test_region_exactly_the_free_space_is_refused(small_tmpfs: str) -> None:
+    """A region exactly the size of the free space passed the space check, then the owner
+    record took a page and the prefault failed with a bare OSError EFAULT: the check counts the
+    record's page too (InsufficientSpaceError, no file); one row less fits and prefaults."""
+    vfs = os.statvfs(small_tmpfs)
+    free_pages = vfs.f_bavail * vfs.f_frsize // PAGE
+    with pytest.raises(InsufficientSpaceError, match=f"requested {free_pages * PAGE} bytes"):
+        SharedOffloadRegion("x", free_pages, PAGE, directory=small_tmpfs)
+    assert os.listdir(small_tmpfs) == []
+    r = SharedOffloadRegion("x", free_pages - 1, PAGE, directory=small_tmpfs)
+    r.memoryview[r.nbytes - 1] = 1
+    r.cleanup()
+    assert os.listdir(small_tmpfs) == []
 
-    def fail(fd, n):
-        raise OSError(errno.ENOSPC, "no space")
 
-    monkeypatch.setattr(shm.os, "ftruncate", fail)
-    with pytest.raises(OSError, match="no space"):
+def test_second_engine_cannot_overcommit_the_file_system(small_tmpfs: str) -> None:
+    """A worker prefaults only its own slots, so the pages of a new region were counted as free
+    and a second engine was admitted; the first engine's next participant then found no space.
+    The creator reserves the whole file (posix_fallocate): the second engine is refused and the
+    first one's worker 1 attaches."""
+    w0 = SharedOffloadRegion("a", 48, PAGE, 2, 0, directory=small_tmpfs)  # 384 KiB, half touched
+    with pytest.raises(InsufficientSpaceError, match="requested 720896 bytes"):
+        SharedOffloadRegion("b", 176, PAGE, 1, None, directory=small_tmpfs)  # 704 KiB
+    assert os.stat(w0.path).st_blocks * 512 == w0.nbytes  # reserved, not only prefaulted
+    w1 = SharedOffloadRegion("a", 48, PAGE, 2, 1, directory=small_tmpfs)
+    w1.create_next_worker_view(PAGE).fill_(4)
+    assert w0.row(47)[PAGE] == 4
+    w1.cleanup()
+    w0.cleanup()
+    assert os.listdir(small_tmpfs) == []
+
+
+def test_fallocate_out_of_space_is_insufficient_space(small_tmpfs: str, monkeypatch) -> None:
+    """Space taken between the check and the allocation: posix_fallocate's ENOSPC is an
+    InsufficientSpaceError naming the sizes and the path, and no file is left (here the check is
+    made to pass on a real 1 MiB tmpfs)."""
+    real = os.statvfs
+    monkeypatch.setattr(
+        shm.os, "statvfs", lambda p: os.statvfs_result((*real(p)[:4], 1 << 40, *real(p)[5:]))
+    )
+    with pytest.raises(InsufficientSpaceError, match="requested 2097152 bytes") as info:
+        SharedOffloadRegion("big", 512, PAGE, directory=small_tmpfs)
+    assert small_tmpfs in str(info.value) and isinstance(info.value.__cause__, OSError)
+    assert info.value.__cause__.errno == errno.ENOSPC
+    assert os.listdir(small_tmpfs) == []
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EFBIG])
+def test_fallocate_space_errors_are_insufficient_space(
+    shm_dir: str, monkeypatch, code: int
+) -> None:
+    """ENOSPC and EFBIG from posix_fallocate are InsufficientSpaceErrors; no file is left."""
+
+    def fail(fd, offset, length):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", fail)
+    with pytest.raises(InsufficientSpaceError, match=f"requested {4 * PAGE} bytes"):
         region(shm_dir)
     assert os.listdir(shm_dir) == []
+
+
+@pytest.mark.parametrize("code", [errno.EOPNOTSUPP, errno.EINVAL])
+def test_no_fallocate_falls_back_to_ftruncate(shm_dir: str, monkeypatch, code: int) -> None:
+    """A file system without fallocate (EOPNOTSUPP / EINVAL) gets the file sized by ftruncate."""
+
+    def fail(fd, offset, length):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", fail)
+    r = region(shm_dir)
+    assert os.stat(r.path).st_size == 4 * PAGE
+    r.memoryview[4 * PAGE - 1] = 7
+    with open(r.path, "rb") as f:
+        assert f.read()[-1] == 7
+    r.cleanup()
+
+
+def test_fallocate_failure_cleans_up_creator(shm_dir: str, monkeypatch) -> None:
+    """vLLM test_ftruncate_failure_cleans_up_creator: a failing sizing (here posix_fallocate with
+    EIO) unlinks the file and the owner record and closes before re-raising."""
+
+    def fail(fd, offset, length):
+        raise OSError(errno.EIO, "io error")
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", fail)
+    with pytest.raises(OSError, match="io error") as info:
+        region(shm_dir)
+    assert info.value.errno == errno.EIO and os.listdir(shm_dir) == []
 
 
 # -- bad arguments -------------------------------------------------------------------------------
