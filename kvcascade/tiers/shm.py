@@ -12,27 +12,40 @@ out of its own slot with :meth:`SharedOffloadRegion.create_next_worker_view`.
 Life cycle (see ``docs/cpu-tier.md``):
 
 1. **Stale cleanup** — every constructor first calls :func:`remove_stale_regions`: a region file
-   that no live process holds (each participant keeps a shared ``flock`` on it while mapped) and
-   whose recorded owner (pid + process start time) is gone is unlinked, after checking that the
-   path still names the same device and inode (an old generation never deletes a new one).
+   whose owner record (sidecar ``kvcascade_<instance_id>.owner``) names a dead creator (pid +
+   process start time) is unlinked, even while a lingering participant of that dead generation
+   still holds its ``flock`` (it keeps its mapping); a file without a matching record only when
+   no live process holds it (each participant keeps a shared ``flock`` while mapped) and it is
+   over a minute old. The path must still name the same device and inode (an old generation
+   never deletes a new one).
 2. **Create or attach** — exactly one process wins ``open(O_CREAT | O_EXCL, 0600)``; it checks
-   the free space of the file system (:class:`InsufficientSpaceError` names requested bytes,
-   available bytes and path, and leaves no file), sizes the file, and records itself in the
-   sidecar ``kvcascade_<instance_id>.owner``. The others open the file and wait (bounded,
-   :class:`DeadlineExceededError`, a ``TimeoutError``) until it has its size.
+   the free space for the file plus the sidecar's page (:class:`InsufficientSpaceError` names
+   requested bytes, available bytes and path, and leaves no file), writes the owner record
+   (itself, the geometry ``num_blocks`` / ``cpu_page_size`` / ``num_workers``,
+   ``expected_participants``, and its own slot in the bitmap of attached participants), then
+   reserves the file's space with ``posix_fallocate`` (``ENOSPC`` / ``EFBIG``:
+   :class:`InsufficientSpaceError`; ``ftruncate`` where the file system has no fallocate). The
+   others open the file and wait (bounded, :class:`DeadlineExceededError`, a ``TimeoutError``)
+   until the record names it and the file has its size; a record of another geometry or
+   ``expected_participants`` is a :class:`ConfigError` naming both; a file unlinked meanwhile
+   makes them race again. Each joiner then claims its slot (its rank, or the scheduler's) in
+   the record: a slot already taken is a :class:`ConfigError` (another engine with this
+   instance_id seems alive).
 3. **Map and prefault** — everyone maps the whole file shared. Pages are prefaulted with
    ``MADV_POPULATE_WRITE`` (value 23) where the kernel has it, else by a read-modify-write of one
    byte per page; a worker prefaults only its own slot of every row, the scheduler all of it.
-4. **Early unlink** — with ``expected_participants`` given, each participant counts itself in
-   the sidecar once mapped; the last one unlinks the file and the sidecar, so nothing can leak
-   even on ``kill -9`` (the memory goes with the last mapping).
+4. **Early unlink** — with ``expected_participants`` given, the participant whose claim brings
+   the record to that many attached unlinks the file and the sidecar (every participant holds
+   the file open by then), so nothing can leak even on ``kill -9`` (the memory goes with the
+   last mapping).
 5. **Pinning** — on CUDA, workers register their mapping as pinned host memory in chunks of
    whole rows (:func:`kvcascade.tiers.cpu.register_host_memory`, as the asyncio API's host
    buffer), checking every return code; any failure unregisters what was registered and logs
    one warning (transfers still work, unpinned). Without CUDA this is skipped, logged once
    per process.
 6. :meth:`SharedOffloadRegion.cleanup` (idempotent) unpins, drops views, unmaps, releases the
-   lock and closes the file; the creator unlinks the file and sidecar if they are still its own.
+   lock and closes the file; the creator unlinks the file and sidecar if they are still its own,
+   a joiner gives its slot in the record back.
 """
 
 from __future__ import annotations
@@ -364,10 +377,12 @@ class SharedOffloadRegion:
         rank: this worker's slot, or None for the scheduler side (maps, prefaults everything,
             never pins, has no worker views).
         expected_participants: number of processes that will map the region (workers +
-            scheduler); once that many have mapped it, the file is unlinked. None: the file stays
-            until the creator's :meth:`cleanup` (or a later stale cleanup).
+            scheduler, at most ``num_workers + 1``); once that many have attached, the file is
+            unlinked. None: the file stays until the creator's :meth:`cleanup` (or a later
+            stale cleanup). All participants must give the same value.
         directory: where the file lives (tests use a private tmpfs directory).
-        wait_timeout_s: how long a non-creator waits for the creator to size the file.
+        wait_timeout_s: seconds (finite, ``>= 0``) a non-creator waits for the creator to
+            record and size the file.
         pin: register the mapping as pinned CUDA host memory (default: when ``rank`` is set).
 
     Attributes:
@@ -378,9 +393,12 @@ class SharedOffloadRegion:
     Raises:
         ConfigError: a bad argument (a size, ``rank``, ``expected_participants``,
             ``wait_timeout_s`` not a finite number >= 0, ``pin``, ``instance_id``, ``directory``:
-            refused before any file is touched), or an existing file of another size.
+            refused before any file is touched); a region of this instance_id recorded with
+            another geometry or ``expected_participants``; this participant's slot (rank, or
+            the scheduler's) already taken.
         InsufficientSpaceError: the file system lacks the space (no file is left behind).
-        DeadlineExceededError: the creator did not size the file within ``wait_timeout_s``.
+        DeadlineExceededError: the creator did not record and size the file within
+            ``wait_timeout_s``.
         OSError: mapping or ``madvise`` failed (other than ``EINVAL`` from the probe).
     """
 
