@@ -35,7 +35,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from ._config import CascadeConfig
-from ._errors import TierUnavailableError
+from ._errors import ConfigError, TierUnavailableError
 from ._policy_state import load_policy_state, policy_state_path, save_policy_state
 from .coordinator import TieringCoordinator
 from .index.cpu import CPUOffloadingManager
@@ -63,9 +63,18 @@ def build_coordinator(
             (:func:`kvcascade.tiers._file_mapper.default_identity`).
 
     Raises:
+        ConfigError: ``host`` has another number of rows or block size than ``config``
+            (before any tier is built: slots past its rows had no memory behind them, and
+            blocks of its size were written into the namespace of ``config.block_bytes``).
         ConfigError / OSError / whatever a tier factory raised: the tiers built before it were
             closed.
     """
+    if (host.num_blocks, host.block_bytes) != (config.num_cpu_blocks, config.block_bytes):
+        raise ConfigError(
+            f"the primary tier's buffer has {host.num_blocks} rows of {host.block_bytes} bytes, "
+            f"the config {config.num_cpu_blocks} of {config.block_bytes}: build them from one "
+            "geometry"
+        )
     tiers: list[SecondaryTier] = []
     try:
         context = TierContext(host, identity)

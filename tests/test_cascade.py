@@ -769,3 +769,28 @@ async def test_kv_events_nobody_takes_stay_bounded(caplog, monkeypatch, enable_e
             assert caplog.text.count("KV events nobody took") == 2
         else:
             assert events == [] and "KV events nobody took" not in caplog.text
+
+
+@pytest.mark.parametrize(("rows", "block_bytes"), [(4, 64), (8, 48)])
+def test_build_coordinator_refuses_a_buffer_of_another_geometry(
+    tmp_path, rows: int, block_bytes: int
+) -> None:
+    """A coordinator built over a buffer of another size than its config was accepted: slots
+    past the buffer's rows had no memory behind them (their cascades failed unseen), and
+    blocks of the buffer's size were written into the namespace of the config's block size,
+    where the next engine found them corrupt (found by a break-it run). Refused, naming both,
+    before any tier is built."""
+    cfg = kc.CascadeConfig(
+        block_bytes=64,
+        gpu_blocks=8,
+        cpu_blocks=8,
+        secondary_tiers=[{"type": "fs", "root_dir": str(tmp_path / "fs")}],
+        model_name="m",
+    )
+    host = kc.HostBuffer(rows, block_bytes)
+    try:
+        with pytest.raises(kc.ConfigError, match=f"has {rows} rows of {block_bytes} bytes"):
+            kc.build_coordinator(cfg, host, {"model_name": "m"})
+        assert not (tmp_path / "fs").exists()
+    finally:
+        host.close()
