@@ -659,6 +659,14 @@ class _WorkerSide:
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         setup = self.setup
         num_blocks = self.kv_cache_config.num_blocks
+        if self.region is not None:
+            # Registered again: vLLM keeps its process-wide worker connector after an engine
+            # of this process failed to start and registers the next engine's caches with it;
+            # the old mapping goes (it stayed mapped, and its slot in the region's owner
+            # record taken: docs/cpu-tier.md).
+            self.region.cleanup()
+            self.region = None
+            self.groups = []
         self.region = SharedOffloadRegion(
             setup.instance_id,
             setup.num_cpu_blocks,
