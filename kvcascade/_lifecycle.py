@@ -80,6 +80,7 @@ def build_coordinator(
         context = TierContext(host, identity)
         for tier_cfg in config.secondary_tiers:
             tiers.append(create_secondary_tier(tier_cfg, context))
+            tiers[-1].event_queue.enabled = config.enable_events  # the primary's too, below
         primary = CPUOffloadingManager(
             config.num_cpu_blocks,
             config.eviction_policy,

@@ -131,8 +131,6 @@ class TieringCoordinator:
     ) -> None:
         self.primary = primary
         self.tiers = list(tiers)
-        for tier in self.tiers:  # the tiers' events follow the primary's enable_events
-            tier.event_queue.enabled = primary.event_queue.enabled
         self.metrics = TieringMetrics([t.name for t in self.tiers], registry)
         self.metrics.primary_write_usage.set_function(lambda: self._primary_usage(False))
         self.metrics.primary_read_usage.set_function(lambda: self._primary_usage(True))

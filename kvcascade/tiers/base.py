@@ -367,9 +367,9 @@ class SecondaryTier(ABC):
 
     @property
     def event_queue(self) -> EventQueue:
-        """The tier's queue of stored/removed events: bounded, and off (``enabled`` False) when
-        the coordinator's primary tier has ``enable_events=False``
-        (:mod:`kvcascade._event_queue`)."""
+        """The tier's queue of stored/removed events: bounded; off (``enabled`` False) in a
+        cascade built from a config with ``enable_events=False``
+        (:func:`kvcascade.build_coordinator`, :mod:`kvcascade._event_queue`)."""
         return self._jobs.events
 
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
