@@ -79,7 +79,7 @@ def spec_name_of(extra: dict[str, Any]) -> str:
     return spec_name
 
 
-def _check_vllm_keys(extra: dict[str, Any]) -> None:
+def check_vllm_keys(extra: dict[str, Any]) -> None:
     """The validation vLLM applies to its keys that kvcascade accepts (vLLM's
     ``build_offloading_config``)."""
     spec_name_of(extra)
@@ -253,7 +253,7 @@ class CascadeConfig:
         """Build from a ``kv_connector_extra_config``-style dict; ``overrides`` win.
 
         vLLM keys with no meaning outside a vLLM engine (``spec_name``, ``block_size``, …) are
-        accepted and ignored here, once their values pass vLLM's checks (``_check_vllm_keys``).
+        accepted and ignored here, once their values pass vLLM's checks (``check_vllm_keys``).
 
         Raises:
             ConfigError: an unknown key (the message lists the known ones) or a bad value.
@@ -263,7 +263,7 @@ class CascadeConfig:
         unknown = sorted(set(extra) - KNOWN_KEYS)
         if unknown:
             raise ConfigError(f"unknown config keys {unknown}; known: {sorted(KNOWN_KEYS)}")
-        _check_vllm_keys(extra)
+        check_vllm_keys(extra)
         values = {k: copy.deepcopy(v) for k, v in extra.items() if k in _OWN_KEYS}
         for key in (
             "cpu_bytes_to_use",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,20 @@ def test_an_unsupported_spec_name_is_refused_as_the_connector_refuses_it() -> No
     )
     config = kc.CascadeConfig.from_extra_config({"spec_name": "CPUOffloadingSpec", "cpu_blocks": 4})
     assert config.cpu_blocks == 4
+
+
+@pytest.mark.parametrize(
+    ("threshold", "message"),
+    [
+        ("abc", "store_threshold must be an integer, got 'abc'"),
+        (None, "store_threshold must be an integer, got None"),
+        (2.5, "store_threshold must be an integer, got 2.5"),
+        (2, "store_threshold=2: the reuse filter is not supported"),
+    ],
+)
+def test_store_threshold_is_checked_before_it_is_read(threshold: object, message: str) -> None:
+    """The connector cast ``store_threshold`` with ``int()`` before checking it: 'abc' failed
+    the engine start with a bare ValueError naming no key, and 2.5 was read as 2 (found by a
+    break-it run); it now runs these checks first (``check_vllm_keys``)."""
+    with pytest.raises(kc.ConfigError, match=re.escape(message)):
+        kc.CascadeConfig.from_extra_config({"cpu_blocks": 4, "store_threshold": threshold})

@@ -75,7 +75,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without vLLM
         "kvcascade.integrations.vllm needs vLLM (pip install 'kvcascade[vllm]')"
     ) from exc
 
-from .._config import CascadeConfig, spec_name_of
+from .._config import CascadeConfig, check_vllm_keys, spec_name_of
 from .._errors import ConfigError
 from .._lifecycle import build_coordinator
 from ..coordinator import TieringCoordinator
@@ -303,10 +303,12 @@ def _setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> _Setup:
 
     Raises:
         ValueError: unsupported ``spec_name``, ``secondary_tiers`` not a list or given to the CPU
-            spec, ``store_threshold >= 2``, an unknown cache policy, ``blocks_per_chunk`` /
-            ``block_size`` conflicts (vLLM's messages), a non-attention group.
-        ConfigError: ``cpu_bytes_to_use`` missing or invalid, unknown keys, a key the engine
-            sets itself (``cpu_blocks``, ``gpu_blocks``, ``block_bytes``), a bad tier config.
+            spec, an unknown cache policy, a non-attention group.
+        ConfigError: a vLLM key of the wrong type or range (``block_size`` /
+            ``blocks_per_chunk`` conflicts, ``store_threshold`` not an int or ``>= 2``:
+            :func:`kvcascade._config.check_vllm_keys`), ``cpu_bytes_to_use`` missing or
+            invalid, unknown keys, a key the engine sets itself (``cpu_blocks``,
+            ``gpu_blocks``, ``block_bytes``), a bad tier config.
     """
     kv_transfer_config = vllm_config.kv_transfer_config
     assert kv_transfer_config is not None
@@ -317,8 +319,7 @@ def _setup(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> _Setup:
         raise ValueError(f"secondary_tiers must be a list, got {tiers!r}")
     if tiers and spec_name != "TieringOffloadingSpec":
         raise ValueError("secondary_tiers needs spec_name 'TieringOffloadingSpec'")
-    if int(extra.get("store_threshold", 0)) >= 2:
-        raise ValueError("store_threshold >= 2 (reuse filtering) is not supported by kvcascade")
+    check_vllm_keys(extra)  # before any of them is read (a cast of store_threshold named none)
     derived = sorted(set(extra) & _ENGINE_DERIVED_KEYS)
     if derived:  # from_extra_config's overrides would replace them without a word
         raise ConfigError(

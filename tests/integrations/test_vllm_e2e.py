@@ -236,6 +236,11 @@ def test_worker_metadata_aggregates_across_workers() -> None:
             "Specify only one",
         ),
         ({"blocks_per_chunk": 1}, "cpu_bytes_to_use"),
+        # cast before its check: int('abc')'s bare ValueError named no key (a break-it run)
+        (
+            {"cpu_bytes_to_use": 4 << 20, "store_threshold": "abc"},
+            "store_threshold must be an integer, got 'abc'",
+        ),
         ({"cpu_bytes_to_use": 4 << 20, "secondary_tiers": {"type": "fs"}}, "must be a list"),
     ],
 )
