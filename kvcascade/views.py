@@ -69,7 +69,9 @@ class CanonicalViews(list[torch.Tensor]):
     one block — which a :class:`kvcascade.Cascade` built over them folds into its namespace
     (:meth:`identity`): two engines whose blocks have the same size but another layout, dtype
     or geometry never read each other's blocks. ``a + b`` and ``a += b`` of two such lists
-    keep both descriptions (an engine with layers of two layouts).
+    keep both descriptions (an engine with layers of two layouts); what other list operations
+    make (a slice, ``list(a)``, ``a + [view]``) is a plain list, whose namespace has only the
+    views' page sizes (pass the ``CanonicalViews`` itself).
 
     Attributes:
         layers: per layer, in view order, ``(name, layout, dtype name, shape of one block,
