@@ -81,7 +81,6 @@ _EXPORTS: dict[str, str] = {
     "register_secondary_tier": ".tiers.registry",
     "SharedOffloadRegion": ".tiers.shm",
     "region_geometry": ".tiers.shm",
-    "CanonicalViews": ".views",
     "block_views": ".views",
     "canonical_views": ".views",
 }
@@ -109,7 +108,6 @@ __all__ = [
     "CPULoadStoreSpec",
     "CPUOffloadingManager",
     "CachePolicy",
-    "CanonicalViews",
     "Cascade",
     "CascadeConfig",
     "ConfigError",

@@ -34,7 +34,7 @@ from .tiers._file_mapper import default_identity
 from .tiers.base import SecondaryTier
 from .tiers.cpu import HostBuffer
 from .tiers.device import DeviceTier, DeviceTransfer
-from .views import CanonicalViews
+from .views import views_identity
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +84,9 @@ class Cascade:
         config: tiers and sizes.
         kv_views: the engine's own KV cache, as :func:`kvcascade.canonical_views` of its KV
             tensors (any layout that handles, CUDA or CPU; ``gpu_blocks`` blocks, pages adding
-            up to ``block_bytes``): loads and stores copy straight to and from them. Their
-            layout, dtype and block shapes (:meth:`kvcascade.CanonicalViews.identity`), or for
-            other int8 views their page sizes, are part of the persistent tiers' namespace:
+            up to ``block_bytes``): loads and stores copy straight to and from them. What each
+            view's bytes mean (layer, layout, dtype, block shape, order;
+            :func:`kvcascade.views.views_identity`) is part of the persistent tiers' namespace:
             blocks of the same size written by an engine of another layout, dtype or geometry
             are never read. None: the device tier allocates a stand-in ``device.kv`` int8
             ``(gpu_blocks, block_bytes)`` (the replay's engine).
@@ -114,7 +114,7 @@ class Cascade:
             model_name=config.model_name,
             cache_salt=config.cache_salt,
             block_bytes=config.block_bytes,
-            **_views_identity(kv_views),
+            **(views_identity(kv_views) if kv_views is not None else {}),
         )
         try:
             self.coordinator: TieringCoordinator = build_coordinator(config, self.host, identity)
@@ -411,17 +411,6 @@ class Cascade:
             if len(set(listed)) < len(listed):
                 repeated = sorted({i for i in listed if listed.count(i) > 1})[:8]
                 raise ValueError(f"GPU block ids given for more than one key: {repeated}")
-
-
-def _views_identity(views: Sequence[torch.Tensor] | None) -> dict[str, Any]:
-    """The namespace fields of the engine's KV views (:meth:`CanonicalViews.identity`; of
-    other views, which say nothing of their dtype or layout, only their page sizes); none
-    without views (the stand-in ``device.kv``)."""
-    if views is None:
-        return {}
-    if not isinstance(views, CanonicalViews):
-        views = CanonicalViews(views, ())
-    return views.identity()
 
 
 def _check_request(keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Any = None) -> None:

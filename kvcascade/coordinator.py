@@ -759,13 +759,16 @@ class TieringCoordinator:
 
     async def events(self) -> AsyncIterator[OffloadingEvent]:
         """The same event stream as :meth:`take_events`, as an async iterator that waits for
-        new events; ends after :meth:`shutdown`. Use one of the two, not both."""
+        new events; ends after :meth:`shutdown`, once it has yielded every event queued by
+        then (a slow consumer lost those still queued at the close). Use one of the two, not
+        both."""
         self._event_signal = signal = asyncio.Event()
         while True:
             signal.clear()
+            closed = self._closed  # before the last take: what was queued at the close is yielded
             for event in self.take_events():
                 yield event
-            if self._closed:
+            if closed:
                 return
             await signal.wait()
 

@@ -10,7 +10,7 @@ view shares the tensor's storage, so a write through one is seen through the oth
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -63,71 +63,23 @@ def block_views(tensor: torch.Tensor, block_dim: int = 0) -> list[torch.Tensor]:
     return [view]
 
 
-class CanonicalViews(list[torch.Tensor]):
-    """What :func:`canonical_views` returns: the views (a list of int8 ``(num_blocks, page)``
-    tensors) and what their bytes mean — per layer its name, layout, KV dtype and the shape of
-    one block — which a :class:`kvcascade.Cascade` built over them folds into its namespace
-    (:meth:`identity`): two engines whose blocks have the same size but another layout, dtype
-    or geometry never read each other's blocks. ``a + b`` and ``a += b`` of two such lists
-    keep both descriptions (an engine with layers of two layouts); what other list operations
-    make (a slice, ``list(a)``, ``a + [view]``) is a plain list, whose namespace has only the
-    views' page sizes (pass the ``CanonicalViews`` itself).
-
-    Attributes:
-        layers: per layer, in view order, ``(name, layout, dtype name, shape of one block,
-            number of views)``; the block shape is the tensor's shape without its block
-            dimension (e.g. ``(2, block_size, heads, head_dim)`` for ``flash_attn``).
-    """
-
-    def __init__(
-        self,
-        views: Iterable[torch.Tensor],
-        layers: Sequence[tuple[str, str, str, tuple[int, ...], int]],
-    ) -> None:
-        super().__init__(views)
-        self.layers = tuple(layers)
-
-    def __add__(self, other: Any) -> Any:  # list's signature
-        if isinstance(other, CanonicalViews):
-            return CanonicalViews([*self, *other], self.layers + other.layers)
-        return list(self) + other
-
-    def __iadd__(self, other: Any) -> CanonicalViews:  # list's signature
-        super().__iadd__(other)
-        if isinstance(other, CanonicalViews):
-            self.layers += other.layers
-        return self
-
-    def identity(self) -> dict[str, Any]:
-        """Namespace fields (:func:`kvcascade.tiers._file_mapper.default_identity`): the page
-        sizes of the views (``kv_view_pages``) and, while :attr:`layers` accounts for every
-        view, ``dtype`` and ``kv_layout`` (comma-joined per layer where layers differ), the
-        layer names as one KV-cache group and ``kv_block_shapes``."""
-        out: dict[str, Any] = {"kv_view_pages": [int(v.shape[1]) for v in self]}
-        if sum(n for *_, n in self.layers) != len(self):
-            return out  # the list was changed by other means: its pages are all that is known
-
-        def joined(values: list[str]) -> str:
-            return values[0] if len(set(values)) == 1 else ",".join(values)
-
-        out["dtype"] = joined([dtype for _, _, dtype, _, _ in self.layers])
-        out["kv_layout"] = joined([layout for _, layout, _, _, _ in self.layers])
-        out["layer_names"] = [[name for name, *_ in self.layers]]
-        out["kv_block_shapes"] = [list(shape) for _, _, _, shape, _ in self.layers]
-        return out
+#: The attribute of a canonical view that says what its bytes mean (:func:`views_identity`).
+_MEANING = "_kvcascade_meaning"
 
 
-def canonical_views(kv_caches: Mapping[str, torch.Tensor], layout: str) -> CanonicalViews:
+def canonical_views(kv_caches: Mapping[str, torch.Tensor], layout: str) -> list[torch.Tensor]:
     """Canonical views of every layer's KV tensor, layer by layer (and K before V).
+
+    Each view also records what its bytes mean — its layer's name, the layout, the KV dtype,
+    the shape of one block (the tensor's shape without its block dimension) and which of the
+    layer's views it is (K or V of ``flash_attn``) — which :func:`views_identity` reads: the
+    record goes with the view tensor itself, so any list built from these views (a copy, a
+    slice, views of two layouts joined, another order) describes what it holds.
 
     Args:
         kv_caches: layer name → KV tensor, in layer order.
         layout: a key of :data:`BLOCK_DIM` (``flash_attn``, ``flashinfer``, ``cpu``, ``mla``,
             ``cross_layer``).
-
-    Returns:
-        The views, with each layer's name, layout, dtype and block shape
-        (:class:`CanonicalViews`).
 
     Raises:
         ValueError: unknown ``layout`` (the message lists the known ones), tensors that
@@ -137,13 +89,25 @@ def canonical_views(kv_caches: Mapping[str, torch.Tensor], layout: str) -> Canon
         raise ValueError(f"unknown KV layout {layout!r}; known: {', '.join(sorted(BLOCK_DIM))}")
     dim = BLOCK_DIM[layout]
     views: list[torch.Tensor] = []
-    layers = []
     for name, tensor in kv_caches.items():
-        own = block_views(tensor, dim)
-        views += own
-        shape = (*tensor.shape[:dim], *tensor.shape[dim + 1 :])
-        layers.append((name, layout, str(tensor.dtype).removeprefix("torch."), shape, len(own)))
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        shape = [*tensor.shape[:dim], *tensor.shape[dim + 1 :]]
+        for part, view in enumerate(block_views(tensor, dim)):
+            setattr(view, _MEANING, [name, layout, dtype, shape, part])
+            views.append(view)
     counts = {v.shape[0] for v in views}
     if len(counts) > 1:
         raise ValueError(f"layers disagree on num_blocks: {sorted(counts)}")
-    return CanonicalViews(views, layers)
+    return views
+
+
+def views_identity(views: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """The namespace field of an engine's KV views (``kv_views``; docs/fs-tier.md,
+    *Namespace*): per view, in order, what :func:`canonical_views` recorded of it and its page
+    size — ``[layer, layout, dtype, block shape, part, page bytes]`` — or only its page size
+    for a view made otherwise (an int8 view says nothing of its dtype or layout). Two engines
+    whose blocks have the same size but another layout, dtype, geometry or view order never
+    share a namespace."""
+    return {
+        "kv_views": [[*getattr(v, _MEANING, []), int(v.shape[1])] for v in views],
+    }

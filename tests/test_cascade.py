@@ -5,6 +5,7 @@ the defect it keeps fixed."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import threading
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import kvcascade as kc
+from kvcascade.views import views_identity
 
 
 def key(i: int) -> bytes:
@@ -651,21 +653,31 @@ async def test_an_engine_of_another_layout_dtype_or_geometry_never_reads_the_blo
         c.finish_request(reader)
 
 
-def test_canonical_views_describe_every_layer_also_when_joined() -> None:
-    """The namespace fields of two layouts' views joined with ``+=`` name both layers; views
-    changed by other means fall back to their page sizes."""
+def test_the_namespace_of_views_survives_every_list_operation() -> None:
+    """What the views' bytes mean is recorded on each view, not on the list: a copy, a slice,
+    two layouts' views joined name every layer; another order is another namespace (K and V
+    swapped), and a view made otherwise adds only its page size. A list-level record was lost
+    by ``list(v)``, ``v[:]`` or ``v.copy()``, and a bf16 engine's blocks were read as fp16 KV
+    (found by a review run)."""
     kv = engine_kv(16)
     views = kc.canonical_views({"layer0": kv["layer0"]}, "flash_attn")
     views += kc.canonical_views({"layer1": kv["layer1"]}, "cpu")
-    assert views.identity() == {
-        "kv_view_pages": [256, 256, 512],
-        "dtype": "float16,bfloat16",
-        "kv_layout": "flash_attn,cpu",
-        "layer_names": [["layer0", "layer1"]],
-        "kv_block_shapes": [[2, 4, 2, 16], [2, 4, 32]],
+    expected = {
+        "kv_views": [
+            ["layer0", "flash_attn", "float16", [2, 4, 2, 16], 0, 256],
+            ["layer0", "flash_attn", "float16", [2, 4, 2, 16], 1, 256],
+            ["layer1", "cpu", "bfloat16", [2, 4, 32], 0, 512],
+        ]
     }
-    views.append(views[0])
-    assert views.identity() == {"kv_view_pages": [256, 256, 512, 256]}
+    assert views_identity(views) == expected
+    for same in (list(views), views[:], views.copy(), [*views], tuple(views)):
+        assert views_identity(same) == expected
+    swapped = [views[1], views[0], views[2]]
+    assert views_identity(swapped) != expected
+    raw = views_identity([*views, torch.zeros((16, 64), dtype=torch.int8)])
+    assert raw["kv_views"][:3] == expected["kv_views"] and raw["kv_views"][3] == [64]
+    other = {"layer0": kv["layer0"].to(torch.bfloat16)}
+    assert views_identity(kc.canonical_views(other, "flash_attn")) != views_identity(views[:2])
 
 
 async def test_a_call_from_another_event_loop_is_refused_before_anything_changes() -> None:
@@ -794,3 +806,34 @@ def test_build_coordinator_refuses_a_buffer_of_another_geometry(
         assert not (tmp_path / "fs").exists()
     finally:
         host.close()
+
+
+async def test_a_slow_event_consumer_gets_every_event_queued_at_the_close() -> None:
+    """``Cascade.events()`` ended at the close after the batch it held, and the events still
+    queued were never yielded: a consumer pausing 20 ms per event got 192 of 1 168 keys (found
+    by a review run). It now yields everything queued at the close before it ends."""
+    got: collections.Counter[tuple[str, bool]] = collections.Counter()
+    async with kc.open_cascade(config(cpu_blocks=8)) as cascade:
+
+        async def consume() -> None:
+            async for event in cascade.events():
+                got[event.tier, event.removed] += len(event.keys)
+                await asyncio.sleep(0.005)
+
+        task = asyncio.ensure_future(consume())
+        for i in range(0, 64, 4):
+            ctx = kc.ReqContext(f"r{i}")
+            keys = [key(j) for j in range(i, i + 4)]
+            assert (await cascade.store(keys, ctx, [0, 1, 2, 3])).stored == keys
+            cascade.finish_request(ctx)
+        await cascade.wait_cascades()
+    await asyncio.wait_for(task, 30)
+    assert list(cascade.coordinator.take_events()) == []
+    # every key stored in the CPU tier, the 56 it evicted, every block the memory tier holds
+    # (back-pressure drops some cascades into it: 8 CPU slots)
+    memory = cascade.tiers[0]
+    assert dict(got) == {
+        ("cpu", False): 64,
+        ("cpu", True): 56,
+        ("memory", False): len(memory.blocks),
+    }
