@@ -82,6 +82,20 @@ def _block_files(data_dir: Path) -> Iterator[tuple[os.DirEntry[str], os.stat_res
             continue
 
 
+def _rank_dirs(base: Path, name: str) -> list[Path]:
+    """The block directories ``<name>_r<rank>`` of namespace ``name`` under ``base``
+    (``kvcascade/tiers/_file_mapper.py``'s ``namespace``), sorted. Matched by name, not by a
+    glob pattern: a model name may hold ``[``, ``]``, ``?`` or ``*``, which a pattern would
+    read as wildcards (``org/model[v2]``'s blocks were found by neither command)."""
+    prefix = f"{name}_r"
+    with os.scandir(base) as it:
+        return sorted(
+            base / e.name
+            for e in it
+            if e.name.startswith(prefix) and e.name[len(prefix) :].isdigit() and e.is_dir()
+        )
+
+
 def inspect_root(root: str | os.PathLike[str]) -> list[NamespaceUsage]:
     """The namespaces under ``root`` (those with a ``config.json``), sorted by name.
 
@@ -101,9 +115,7 @@ def inspect_root(root: str | os.PathLike[str]) -> list[NamespaceUsage]:
         except (OSError, ValueError):
             identity = None
         usage = NamespaceUsage(ns.name, identity)
-        for data_dir in sorted(base.glob(f"{ns.name}_r*")):
-            if not data_dir.is_dir():
-                continue
+        for data_dir in _rank_dirs(base, ns.name):
             usage.ranks.append(data_dir.name)
             for entry, st in _block_files(data_dir):
                 if entry.name.endswith(".tmp"):
@@ -158,7 +170,7 @@ def purge_root(
     limit = (now if now is not None else time.time()) - (older_than_s or 0.0)
     result = PurgeResult()
     for name in chosen:
-        for data_dir in sorted(base.glob(f"{name}_r*")):
+        for data_dir in _rank_dirs(base, name):
             for entry, st in _block_files(data_dir):
                 if older_than_s is not None and st.st_mtime > limit:
                     continue

@@ -185,6 +185,25 @@ def test_inspect_and_purge_beside_a_running_engine(tmp_path: Path) -> None:
     assert not list(root.rglob("*.tmp"))
 
 
+def test_a_model_name_with_glob_characters_is_found_and_purged(tmp_path: Path) -> None:
+    # [, ], ?, * in a model name are characters of a directory name, not a pattern: with a
+    # glob, inspect saw no blocks of "org/model[v2]" and purge --all left them all on disk.
+    config = json.dumps({"model_name": "org/model[v2]*?"})
+    args = ["replay", "--requests", "20", "--fs-dir", str(tmp_path), "--quiet"]
+    assert main([*args, "--config", config, "--cpu-blocks", "16"]) == 0
+    (usage,) = inspect_root(tmp_path)
+    files = [p for p in tmp_path.rglob("*.bin")]
+    assert usage.blocks == len(files) > 0
+    assert usage.ranks == [f"{usage.name}_r0"]
+    result = purge_root(tmp_path, older_than_s=0, now=time.time() + 60)
+    assert result.files == len(files) and not list(tmp_path.rglob("*.bin"))
+    assert inspect_root(tmp_path)[0].blocks == 0
+    assert main(["replay", *args[1:], "--config", config, "--cpu-blocks", "16"]) == 0
+    result = purge_root(tmp_path)
+    assert result.files > 0 and result.namespaces == [usage.name]
+    assert not list(tmp_path.iterdir())
+
+
 def test_parse_age() -> None:
     assert [parse_age(t) for t in ("90s", "30m", "12h", "7d", "2w")] == [
         90,
