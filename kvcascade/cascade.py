@@ -16,7 +16,7 @@ import collections
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,8 +123,12 @@ class Cascade:
             raise
         self.primary = self.coordinator.primary
         self.tiers: list[SecondaryTier] = self.coordinator.tiers
-        # GPU block id → the load filling it: a store from that block waits for it first.
-        self._loading: dict[int, asyncio.Future[None]] = {}
+        # GPU block id → the unfinished loads writing it / stores reading it. A call waits for
+        # those of the other kind that were called before it: calls on one block take effect
+        # in call order (a store never publishes bytes a later load wrote, vLLM #46951 and its
+        # reverse; a load never overwrites a block an earlier store still copies from).
+        self._loading: dict[int, set[asyncio.Future[None]]] = {}
+        self._storing: dict[int, set[asyncio.Future[None]]] = {}
         self._opened = False
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop that opened it
         self._thread = 0  # and its thread
@@ -160,24 +164,20 @@ class Cascade:
         ready in the primary tier. Keys after the first failure are released and reported in
         ``failed_keys``; a failed key is never reported as loaded (a failed CPU→GPU copy counts
         its keys in ``counters["load_failed_blocks"]``). Cancelled while copying, the copy
-        finishes before the pins are released. Until it returns, :meth:`store` from any of
-        ``gpu_ids`` waits for it (a store never publishes the bytes a load is replacing).
+        finishes before the pins are released. Calls on one GPU block take effect in call
+        order: a load into any of ``gpu_ids`` first waits for the unfinished :meth:`store`
+        calls made before it from those blocks (it never overwrites the bytes a store is
+        copying), and until it returns a later :meth:`store` from them waits for it (a store
+        never publishes the bytes a load is replacing).
 
         Raises:
             TypeError / ValueError: see :func:`_check_request` (bad keys, ctx or GPU ids).
         """
         self._check(keys, ctx, gpu_ids)
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        targets = [int(i) for i in gpu_ids]
-        for gpu_id in targets:
-            self._loading[gpu_id] = done
-        try:
+        with self._in_call_order(self._loading, self._storing, gpu_ids) as earlier:
+            if earlier:
+                await asyncio.wait(earlier)
             return await self._load(keys, ctx, gpu_ids)
-        finally:
-            for gpu_id in targets:
-                if self._loading.get(gpu_id) is done:
-                    del self._loading[gpu_id]
-            done.set_result(None)
 
     async def _load(
         self, keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Sequence[int]
@@ -211,9 +211,11 @@ class Cascade:
     ) -> StoreResult:
         """Offload GPU blocks ``gpu_ids[i]`` under ``keys[i]`` (GPU → CPU, then the cascade).
 
-        A source block that an unfinished :meth:`load` is filling is copied only after that load
-        returns. Keys already present (or being written) are skipped. The jobs finished since
-        the last call are applied first (finished cascades release their pins and their room in
+        A source block that an unfinished :meth:`load` called before this store is filling is
+        copied only after that load returns, and a :meth:`load` into ``gpu_ids`` called after
+        it waits until this store returns (calls on one GPU block take effect in call order).
+        Keys already present (or being written) are skipped. The jobs finished since the last
+        call are applied first (finished cascades release their pins and their room in
         the cascade queue; a promotion that landed for a request finished unread leaves its
         slot evictable). When the primary tier has no evictable room, waits for in-flight
         cascades to release their pins and tries once more; then the leading keys
@@ -226,8 +228,14 @@ class Cascade:
             TypeError / ValueError: see :func:`_check_request` (bad keys, ctx or GPU ids).
         """
         self._check(keys, ctx, gpu_ids)
-        while loads := {id(f): f for i in gpu_ids if (f := self._loading.get(int(i)))}:
-            await asyncio.wait(loads.values())
+        with self._in_call_order(self._storing, self._loading, gpu_ids) as earlier:
+            if earlier:
+                await asyncio.wait(earlier)
+            return await self._store(keys, ctx, gpu_ids)
+
+    async def _store(
+        self, keys: Sequence[bytes], ctx: ReqContext, gpu_ids: Sequence[int]
+    ) -> StoreResult:
         coord = self.coordinator
         # An asyncio caller has no steps: the jobs finished since the last call are applied
         # first, or their cascades count as queued (every later cascade refused by
@@ -262,6 +270,31 @@ class Cascade:
             self.counters["store_dropped_blocks"] += len(out.keys_to_store)
             return StoreResult(dropped=dropped + len(out.keys_to_store))
         return StoreResult(out.keys_to_store, dropped, transfer.bytes)
+
+    @contextlib.contextmanager
+    def _in_call_order(
+        self,
+        mine: dict[int, set[asyncio.Future[None]]],
+        other: dict[int, set[asyncio.Future[None]]],
+        gpu_ids: Sequence[int],
+    ) -> Iterator[set[asyncio.Future[None]]]:
+        """Register a call on ``gpu_ids`` in ``mine`` (``_loading`` or ``_storing``) until the
+        block ends, and give the calls of the other kind on those blocks made before it (to
+        wait for). Only earlier calls are waited for, so two calls never wait for each other."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        blocks = {int(i) for i in gpu_ids}
+        earlier = {f for i in blocks for f in other.get(i, ())}
+        for i in blocks:
+            mine.setdefault(i, set()).add(done)
+        try:
+            yield earlier
+        finally:
+            for i in blocks:
+                calls = mine[i]
+                calls.discard(done)
+                if not calls:
+                    del mine[i]
+            done.set_result(None)
 
     def _count_dropped(self, dropped: int, asked: int, why: str) -> None:
         """Count dropped store keys; log the first drop as a warning, later ones at debug."""

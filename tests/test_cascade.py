@@ -137,6 +137,47 @@ async def test_store_from_a_block_a_load_is_filling_waits_for_the_load() -> None
         assert_idle(cascade)
 
 
+async def test_a_load_into_a_block_an_earlier_store_copies_from_waits_for_the_store() -> None:
+    """The reverse of vLLM #46951, found by a break-it run: a load into GPU blocks that an
+    unfinished store (called before it) still copies from overwrote them first, and the store
+    published the loaded bytes under its own keys, served later as those keys (checksums match:
+    undetectable). Calls on one block now take effect in call order; the store here waits for
+    an earlier load into its block 0 (gated), so without the order the later load would win."""
+    gated = {"type": "GatedTier", "module_path": "test_cascade", "name": "gated"}
+    async with kc.open_cascade(config(cpu_blocks=8, tier=gated)) as cascade:
+        GatedTier.gate.set()
+        await offload(cascade, [key(1)], [1])
+        other = kc.ReqContext("other")
+        cascade.device.kv[5] = 77
+        assert (await cascade.store([key(20)], other, [5])).stored == [key(20)]
+        await cascade.wait_cascades()
+        GatedTier.gate.clear()
+        first, writer, second = (kc.ReqContext(n) for n in ("first", "writer", "second"))
+        found = await cascade.lookup_prefix([key(1)], first)
+        load_0 = asyncio.create_task(cascade.load(found.keys, first, [0]))
+        for g in (1, 2, 3):
+            cascade.device.kv[g] = 50 + g
+        a_keys = [key(10 + i) for i in range(4)]
+        store = asyncio.create_task(cascade.store(a_keys, writer, [0, 1, 2, 3]))
+        await asyncio.sleep(0.05)
+        found = await cascade.lookup_prefix([key(20)], second)
+        load_1 = asyncio.create_task(cascade.load(found.keys, second, [1]))
+        await asyncio.sleep(0.05)
+        assert not store.done() and not load_1.done()  # in call order: load_0, store, load_1
+        assert cascade.device.kv[1].tolist() == [51] * 64
+        GatedTier.gate.set()
+        assert (await load_0).loaded == 1
+        assert (await store).stored == a_keys
+        assert (await load_1).loaded == 1
+        rows = [bytes(cascade.host.row(cascade.primary.get_block(k).block_id)) for k in a_keys]
+        assert rows == [b"\1" * 64, b"\x33" * 64, b"\x34" * 64, b"\x35" * 64]
+        assert cascade.device.kv[1].tolist() == [77] * 64
+        await cascade.wait_cascades()
+        for ctx in (other, first, writer, second):
+            cascade.finish_request(ctx)
+        assert_idle(cascade)
+
+
 async def test_a_load_waits_for_another_requests_store_in_flight() -> None:
     """A key another request is still storing GPU→CPU counts as found, and the load waits for
     that store (the coordinator's write_futures) instead of calling the key unreadable: the

@@ -4,10 +4,11 @@ a real directory (bounded or not) and a fault-scripted memory tier, under concur
 Rules: ``lookup_prefix``, ``load`` and ``store`` (awaited at once, or left running as tasks and
 awaited or cancelled a few loop iterations later), ``touch``, ``finish_request`` (also right
 after a lookup: an abort), keys repeated in one call and shared between requests, a store from
-the GPU rows a load in flight is filling, and faults: block files deleted, truncated or
-corrupted, memory-tier jobs that fail or stall past their deadline (``io_timeout_s``, with a
-short ``pending_write_timeout_s``), and a restart on the same fs directory (with the temp files
-a ``kill -9`` of the last writer leaves, which the restart must delete).
+the GPU rows a load in flight is filling and a load into the GPU rows a store in flight copies
+from, and faults: block files deleted, truncated or corrupted, memory-tier jobs that fail or
+stall past their deadline (``io_timeout_s``, with a short ``pending_write_timeout_s``), and a
+restart on the same fs directory (with the temp files a ``kill -9`` of the last writer leaves,
+which the restart must delete).
 
 The GPU is the cascade's own device KV cache (``cascade.device.kv``, a CPU tensor): before a
 store the rule writes the bytes of each key into its GPU row; after a load it reads them back.
@@ -320,6 +321,45 @@ class CascadeModel(RuleBasedStateMachine):
             op.aliases[key] = i
         else:
             self.provisional.discard(key)
+
+    @rule(
+        key=st.sampled_from(KEYS),
+        keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3, unique=True),
+        rows=st.permutations(range(GPU_ROWS)),
+        spins=st.integers(0, 2),
+    )
+    def load_into_rows_being_stored(
+        self, key: bytes, keys: list[bytes], rows: list[int], spins: int
+    ) -> None:
+        """A store from GPU rows is left running, and another request loads ``key`` into the
+        first of those rows (the reverse of ``store_from_rows_being_loaded``): the store, called
+        first, must publish the rows' bytes from before the load, never the loaded ones (found
+        by a break-it run), and the load must deliver ``key``'s bytes."""
+        picked = self._free_rows(rows, len(keys))
+        if picked is None:
+            return
+        reader, writer = self._new_ctx(), self._new_ctx()
+        found: kc.PrefixLookup = self.run(self.cascade.lookup_prefix([key], reader.ctx))
+        kv = self.cascade.device.kv
+        for k, row in zip(keys, picked):
+            kv[row] = torch.frombuffer(bytearray(payload(k)), dtype=torch.int8)
+        store = Op(
+            "store",
+            writer,
+            keys,
+            picked,
+            self.loop.create_task(self.cascade.store(keys, writer.ctx, picked)),
+        )
+        self.ops.append(store)
+        writer.op = store
+        for _ in range(spins):
+            self.run(asyncio.sleep(0))
+        if found.keys:
+            result: kc.LoadResult = self.run(self.cascade.load(found.keys, reader.ctx, picked[:1]))
+            self._loaded(list(found.keys), picked[:1], result)
+        self._await(store)
+        self.cascade.finish_request(reader.ctx)
+        self.cascade.finish_request(writer.ctx)
 
     @precondition(lambda self: not self.ops)
     @rule(key=st.sampled_from(KEYS), rows=st.permutations(range(GPU_ROWS)))
