@@ -13,7 +13,8 @@ The lifecycle (``docs/architecture.md``, "The actors and their mailboxes"):
 2. each tier's actor (:meth:`SecondaryTier.run`) is started in one anyio task group — held by
    a task of its own, so the block may end in another task than the one that entered it — in
    cascade order, each waited for until it is ready;
-3. on exit — normal, by an exception, by cancellation, or because a start failed — in a
+3. on exit — normal, by an exception, by cancellation (during the start too: it is cancelled
+   at once), or because a start failed — in a
    shielded scope: the tiers drain (bounded by ``SHUTDOWN_TIMEOUT_S``), the policy state is
    saved, the coordinator shuts down (queued jobs fail, running ones finish), and the actors are
    awaited (bounded by ``SHUTDOWN_TIMEOUT_S``, then cancelled). No actor outlives the block, and
@@ -103,6 +104,11 @@ async def serve_coordinator(coordinator: TieringCoordinator) -> AsyncIterator[Ti
     from another task than the one that entered it (the actors' task group lives in a task of
     its own, ``kvcascade-lifecycle``).
 
+    Cancelled while the tiers start (an embedder's start-up deadline, ``asyncio.wait_for``),
+    the start is cancelled too rather than run to the tiers' own timeouts (a valkey server that
+    accepts and never answers: 15 s with the defaults, a hung S3 endpoint 90 s); the started
+    actors stop as on any exit.
+
     Raises:
         whatever an actor's start-up raised, after the whole shutdown ran: a failed start leaves
         nothing running.
@@ -115,6 +121,8 @@ async def serve_coordinator(coordinator: TieringCoordinator) -> AsyncIterator[Ti
         yield coordinator
     finally:
         stop.set()
+        if not ready.done():  # cancelled while a tier starts: so is the start, at once
+            lifecycle.cancel()
         try:
             await asyncio.shield(lifecycle)
         except asyncio.CancelledError:  # cancelled again while stopping: finish stopping first

@@ -8,6 +8,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import socket
 import threading
 from collections.abc import Sequence
 
@@ -249,6 +250,43 @@ async def test_failed_start_of_a_second_tier_stops_the_first() -> None:
     with pytest.raises(kc.TierUnavailableError, match="not reachable"):
         async with kc.open_cascade(cfg):
             raise AssertionError("must not start")
+    assert [t for t in asyncio.all_tasks() if t.get_name().startswith("kvcascade-")] == []
+
+
+async def test_a_deadline_on_open_cascade_cancels_a_tier_start_that_hangs(tmp_path) -> None:
+    """Found by a break-it run: ``asyncio.wait_for(open_cascade, 1 s)`` against a valkey server
+    that accepts connections and never answers returned only when the tier's own timeouts ran
+    out (15 s with the defaults, here 120 s): the cancellation waited for the start. Now the
+    start is cancelled with its caller, and the tier started before it (fs) is stopped."""
+    hung = socket.socket()  # a hung server: the kernel accepts, nothing ever answers
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(8)
+    url = f"redis://127.0.0.1:{hung.getsockname()[1]}"
+    cfg = kc.CascadeConfig(
+        block_bytes=64,
+        gpu_blocks=4,
+        cpu_blocks=4,
+        secondary_tiers=[
+            {"type": "fs", "root_dir": str(tmp_path)},
+            {"type": "valkey", "url": url, "timeout_s": 120, "max_attempts": 1},
+        ],
+        model_name="test-model",
+    )
+    opened: list[kc.Cascade] = []
+
+    async def serve() -> None:
+        async with kc.open_cascade(cfg) as cascade:
+            opened.append(cascade)
+
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    try:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(serve(), 0.5)
+        assert loop.time() - start < 60  # not the tier's own 120 s
+    finally:
+        hung.close()
+    assert opened == []
     assert [t for t in asyncio.all_tasks() if t.get_name().startswith("kvcascade-")] == []
 
 
