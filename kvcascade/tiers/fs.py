@@ -119,6 +119,11 @@ COMPILED_STORE_BYTES = 1 << 20
 measured up to 20 % slower for 1–4 MiB blocks with O_DIRECT on ext4 than one block at a time;
 small blocks, and every size where I/O is a CPU copy (tmpfs, buffered), gain from batching."""
 _OS_ERROR, _CORRUPT = 3, 4  # error kinds of the fs ops (kernels/kvc_result.h)
+#: A second before this module was imported (s since the epoch): every temp file this process
+#: writes is younger, even by a file clock that lags the wall clock by a tick
+#: (:meth:`FileSystemTier._is_stale_temp`).
+_IMPORTED_AT = time.time() - 1.0
+
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _UNWRITABLE_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 """The errors of a filesystem (or a quota) with no room for a write."""
@@ -387,42 +392,52 @@ class FileSystemTier(SecondaryTier):
                 group = _group_of(leaf.name)
                 if group is None:
                     continue
-                with os.scandir(leaf.path) as entries:
-                    for entry in entries:
-                        if entry.name.endswith(".tmp"):
-                            if self._is_stale_temp(entry, now):
-                                _unlink_quietly(entry.path)
-                                stale += 1
-                        elif self._index is not None and entry.name.endswith(".bin"):
-                            try:
-                                st = entry.stat()
-                                key = make_offload_key(bytes.fromhex(entry.name[:-4]), group)
-                            except (OSError, ValueError):
-                                continue
-                            found.append((st.st_mtime_ns, key, st.st_size))
+                # a directory removed while the scan walks (``kvcascade purge``) has no files
+                for entry in _entries(leaf.path, dirs=False):
+                    if entry.name.endswith(".tmp"):
+                        if self._is_stale_temp(entry, now):
+                            _unlink_quietly(entry.path)
+                            stale += 1
+                    elif self._index is not None and entry.name.endswith(".bin"):
+                        try:
+                            st = entry.stat()
+                            key = make_offload_key(bytes.fromhex(entry.name[:-4]), group)
+                        except (OSError, ValueError):
+                            continue
+                        found.append((st.st_mtime_ns, key, st.st_size))
         if stale:
             log.info("fs tier %s: removed %d stale temp files", self.name, stale)
         if self._index is None:
             return
-        found.sort()  # oldest first; equal times (files of older versions) in key order
-        self._index.add((key, size) for _, key, size in found)
+        # A time ahead of the clock (a clock stepped back, files restored from another host)
+        # counts as now: carried forward it would stamp every new file in the future, where
+        # ``kvcascade purge --older-than`` never finds them old.
+        now_ns = time.time_ns()
+        found = sorted((min(t, now_ns), key, size) for t, key, size in found)
+        self._index.add((key, size) for _, key, size in found)  # oldest first, ties by key
         if found:  # new files are stamped after every file found, whatever the clock does
             with self._lock:
                 self._last_stamp = max(self._last_stamp, found[-1][0])
         self._evict_and_reserve(0)
 
     def _is_stale_temp(self, entry: os.DirEntry[str], now: float) -> bool:
+        """A temp file ``…_<pid>_<n>.tmp`` is stale when its writer is gone, when it is older
+        than ``io_timeout_s``, or when it carries this process's pid but is older than this
+        module's import: a process before this one had the pid (pid 1 of every container
+        restart) and was killed while writing (docs/fs-tier.md, *Restart*)."""
         try:
             pid = int(entry.name[:-4].rsplit("_", 2)[1])
-            os.kill(pid, 0)
+            if pid != self._pid:
+                os.kill(pid, 0)
         except (ValueError, IndexError, ProcessLookupError):
             return True  # not ours, or its writer is gone
         except PermissionError:
             pass  # a live process of another user
         try:
-            return now - entry.stat().st_mtime > self.io_timeout_s
+            mtime = entry.stat().st_mtime
         except FileNotFoundError:
             return False
+        return now - mtime > self.io_timeout_s or (pid == self._pid and mtime < _IMPORTED_AT)
 
     # -- capacity --------------------------------------------------------------------------
     def _evict_and_reserve(self, size: int) -> bool:

@@ -825,6 +825,84 @@ async def test_restart_reuses_files_rebuilds_size_and_removes_stale_temps(
         assert (await load(second, [3], [4])).success and bytes(host.row(4)) == pattern(3)
 
 
+async def test_a_temp_file_of_an_earlier_process_with_this_pid_is_removed(
+    tmp_path: Path, host: kc.HostBuffer
+) -> None:
+    """Found by a break-it run: an engine killed while writing, restarted with the same pid (pid
+    1 of every container restart) within ``io_timeout_s``, kept the temp files for ever (they are
+    not counted against ``max_bytes``): the pid was alive, being its own. A temp file with this
+    process's pid from before it started is now stale; one written since is kept."""
+    first = make_tier(tmp_path, host, max_bytes=10 * file_size(BLOCK))
+    async with running(first):
+        assert (await store(first, host, [0])).success
+    leaf = Path(first.path_of(key(0))).parent
+    before = leaf / f"{key(1)[:-4].hex()}.bin_{os.getpid()}_1.tmp"
+    since = leaf / f"{key(2)[:-4].hex()}.bin_{os.getpid()}_2.tmp"
+    for temp in (before, since):
+        temp.write_bytes(b"partial")
+    earlier = fs._IMPORTED_AT - 5  # written by the process before this one
+    os.utime(before, (earlier, earlier))
+    timeout = time.time() - earlier + 600  # both younger than io_timeout_s
+    second = make_tier(tmp_path, host, max_bytes=10 * file_size(BLOCK), io_timeout_s=timeout)
+    async with running(second):
+        assert not before.exists() and since.exists()
+
+
+async def test_a_block_file_dated_in_the_future_does_not_date_new_files(
+    tmp_path: Path, host: kc.HostBuffer
+) -> None:
+    """Found by a break-it run: one block file ten years ahead of the clock (a clock stepped
+    back, files restored from another host) made a bounded tier's restart stamp every new file
+    ten years ahead, so ``kvcascade purge --older-than`` never removed them."""
+    first = make_tier(tmp_path, host, max_bytes=10 * file_size(BLOCK))
+    async with running(first):
+        assert (await store(first, host, [0])).success
+    future = time.time() + 10 * 365 * 86400
+    os.utime(first.path_of(key(0)), (future, future))
+    second = make_tier(tmp_path, host, max_bytes=10 * file_size(BLOCK))
+    async with running(second):
+        assert (await store(second, host, [1, 2])).success
+        stamped = [os.stat(second.path_of(key(i))).st_mtime for i in (1, 2)]
+    assert all(t < time.time() + 60 for t in stamped), stamped
+    assert purge_root(tmp_path, older_than_s=0, now=time.time() + 120).files == 2
+
+
+def _empty_block_files(data_dir: Path, n: int) -> None:
+    """``n`` empty block files of random keys (their content does not matter to the scan)."""
+    rng = random.Random(0)
+    for _ in range(n):
+        name = rng.getrandbits(64).to_bytes(8, "big").hex()
+        leaf = data_dir / name[:3] / f"{name[3:5]}_g0"
+        leaf.mkdir(parents=True, exist_ok=True)
+        (leaf / f"{name}.bin").touch()
+
+
+async def test_a_start_beside_a_running_purge_skips_what_the_purge_removed(
+    tmp_path: Path, host: kc.HostBuffer
+) -> None:
+    """Found by a break-it run: an engine starting while ``kvcascade purge`` removed its
+    namespace failed with a bare FileNotFoundError for a block directory removed between the
+    scan's listing and its walk into it. Such a directory now has no files, as in purge."""
+    async with running(make_tier(tmp_path, host, max_bytes=1 << 40)):
+        pass
+    (data_dir,) = tmp_path.glob("*_r0")
+    await asyncio.to_thread(_empty_block_files, data_dir, 3_000)
+    purge = threading.Thread(target=purge_root, args=(tmp_path,))
+    purge.start()
+    starts, failures = 0, []
+    try:
+        while purge.is_alive() or not starts:
+            starts += 1
+            try:
+                async with running(make_tier(tmp_path, host, max_bytes=1 << 40)):
+                    pass
+            except OSError as exc:
+                failures.append(repr(exc))
+    finally:
+        purge.join()
+    assert failures == [] and starts >= 1
+
+
 @pytest.mark.parametrize("fstype", ["ramfs", None])
 async def test_restart_evicts_in_write_order_within_one_clock_tick(
     tmp_path: Path, host: kc.HostBuffer, fstype: str | None
