@@ -433,23 +433,24 @@ class ThreadPool(WorkerPool):
         return rows_in_use
 
     async def _stop(self) -> None:
-        await asyncio.to_thread(self._stop_threads)
-
-    def _spawn_thread(self) -> None:
-        thread = threading.Thread(
-            target=self._thread_main, name=f"kvcascade-{self.name}-io", daemon=True
-        )
-        self._threads.add(thread)
-        thread.start()
-
-    def _stop_threads(self) -> None:
+        """Ask every worker to exit and wait up to 1 s on the loop (a thread stuck in a system
+        call is left behind, daemon). No helper thread joins them: a process at its pids limit,
+        whose start just failed to spawn a worker, could start none."""
         with self._lock:
             threads = list(self._threads)
         for _ in threads:
             self._inbox.put(None)
         until = time.monotonic() + 1.0
-        for thread in threads:  # a thread stuck in a system call is left behind (daemon)
-            thread.join(timeout=max(0.0, until - time.monotonic()))
+        while any(t.is_alive() for t in threads) and time.monotonic() < until:
+            await asyncio.sleep(0.002)
+
+    def _spawn_thread(self) -> None:
+        thread = threading.Thread(
+            target=self._thread_main, name=f"kvcascade-{self.name}-io", daemon=True
+        )
+        thread.start()  # RuntimeError when the process may start no more (a pids limit)
+        with self._lock:
+            self._threads.add(thread)
 
     def _thread_main(self) -> None:
         me = threading.current_thread()

@@ -295,8 +295,8 @@ class SecondaryTier(ABC):
         """The actor: start the pool, run :meth:`_startup`, call ``started``, serve jobs until
         :meth:`close`; then fail the queued jobs, wait for the running ones (bounded by their
         deadlines), stop the pool and run :meth:`_cleanup`."""
-        self._jobs.start()
         try:
+            self._jobs.start()  # a failed start stops the threads it started
             await self._startup()
             if started is not None:
                 started()

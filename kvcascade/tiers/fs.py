@@ -124,6 +124,9 @@ _OS_ERROR, _CORRUPT = 3, 4  # error kinds of the fs ops (kernels/kvc_result.h)
 #: (:meth:`FileSystemTier._is_stale_temp`).
 _IMPORTED_AT = time.time() - 1.0
 
+#: The most I/O threads an fs tier config may ask for (each is an OS thread).
+MAX_IO_THREADS = 256
+
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _UNWRITABLE_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 """The errors of a filesystem (or a quota) with no room for a write."""
@@ -1034,8 +1037,9 @@ def fs_tier_from_config(
     """Build an fs tier from a ``secondary_tiers`` entry (``type`` already removed).
 
     Keys: ``root_dir`` (required), ``max_bytes`` (bytes of block files; default unbounded),
-    ``io_threads`` (default 4), ``io_timeout_s`` (seconds, default 30), ``max_queued_jobs``
-    (default 1024), ``probe_timeout_s`` (seconds per existence probe, default 2),
+    ``io_threads`` (default 4, at most :data:`MAX_IO_THREADS`), ``io_timeout_s`` (seconds,
+    default 30), ``max_queued_jobs`` (default 1024), ``probe_timeout_s`` (seconds per existence
+    probe, default 2),
     ``cache_salt`` (tenant salt folded into the namespace), ``name`` (default ``"fs"``),
     ``auth_secret_env`` or ``auth_secret_file`` (the environment variable or file holding the
     secret of authenticated blocks, :func:`~kvcascade.tiers._block_format.block_auth`; default
@@ -1082,6 +1086,11 @@ def check_fs_tier_config(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any
         threads = integer("io_threads", 4)
     else:
         threads = integer("n_read_threads", 2) + integer("n_write_threads", 2)
+    if threads > MAX_IO_THREADS:
+        raise ConfigError(
+            f"fs tier io_threads={threads} is more than {MAX_IO_THREADS} (one thread each; a "
+            "few per device keep it busy)"
+        )
     timeout = config_seconds(cfg, "io_timeout_s", 30.0, "fs tier")
     for key in ("cache_salt", "name"):
         if key in cfg and not isinstance(cfg[key], str):

@@ -630,6 +630,70 @@ def test_config_keys(tmp_path: Path, host: kc.HostBuffer) -> None:
     ):
         with pytest.raises(kc.ConfigError):
             fs_tier_from_config(host, m, bad)
+    # one OS thread each: a million was accepted and failed the start (found by a break-it run)
+    for many in ({"io_threads": 10**6}, {"n_read_threads": 200, "n_write_threads": 57}):
+        with pytest.raises(kc.ConfigError, match=r"io_threads=\d+ is more than 256"):
+            fs_tier_from_config(host, m, {"root_dir": str(tmp_path / "new"), **many})
+    assert not (tmp_path / "new").exists()
+
+
+_PIDS_CGROUP = Path("/sys/fs/cgroup/pids")
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not os.access(_PIDS_CGROUP, os.W_OK),
+    reason="needs root and a cgroup v1 pids controller (a container's pids limit)",
+)
+def test_a_start_that_cannot_start_its_threads_stops_those_it_started(tmp_path: Path) -> None:
+    """Found by a break-it run: under a pids limit an fs tier whose I/O threads could not all
+    be started failed its start and left every thread it had started running, so that a later
+    open in the same process failed too. A child process in a pids cgroup with room for about
+    50 more threads opens a tier of 200 threads, then one of 4."""
+    code = textwrap.dedent(
+        """
+        import asyncio, sys, tempfile, threading
+        import kvcascade as kc
+
+        def cfg(threads):
+            tier = {"type": "fs", "root_dir": sys.argv[1], "io_threads": threads}
+            return kc.CascadeConfig(block_bytes=4096, gpu_blocks=4, cpu_blocks=4,
+                                    model_name="m", secondary_tiers=[tier])
+
+        async def main():
+            before = threading.active_count()
+            try:
+                async with kc.open_cascade(cfg(200)):
+                    print("started")
+            except RuntimeError as exc:
+                print("failed:", exc)
+            print("threads left:", threading.active_count() - before)
+            async with kc.open_cascade(cfg(4)):
+                print("reopened")
+
+        asyncio.run(main())
+        """
+    )
+    group = _PIDS_CGROUP / f"kvcascade-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        # the child joins the group, which allows what it holds now plus 50 more
+        shell = (
+            f"echo $$ > {group}/tasks && echo $(( $(cat {group}/pids.current) + 50 )) > "
+            f'{group}/pids.max && exec "$0" -c "$1" "$2"'
+        )
+        out = subprocess.run(
+            ["sh", "-c", shell, sys.executable, code, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+    finally:
+        group.rmdir()
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("failed: can't start new thread"), out.stdout
+    assert lines[1:] == ["threads left: 0", "reopened"], out.stdout + out.stderr
 
 
 # -- capacity --------------------------------------------------------------------------------
