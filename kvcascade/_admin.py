@@ -110,8 +110,8 @@ def inspect_root(root: str | os.PathLike[str]) -> list[NamespaceUsage]:
     out = []
     for ident in sorted(base.glob("*/config.json")):
         ns = ident.parent
-        try:
-            identity = json.loads(ident.read_text())
+        try:  # not a regular file (a FIFO would block the read for ever): no identity
+            identity = json.loads(ident.read_text()) if ident.is_file() else None
         except (OSError, ValueError):
             identity = None
         usage = NamespaceUsage(ns.name, identity)

@@ -13,6 +13,7 @@ from typing import Any
 
 from ._errors import ConfigError
 from ._validate import is_int, is_number
+from .tiers._file_mapper import check_model_name
 from .tiers.cpu import PAGE_SIZE, round_up
 
 # vLLM OffloadingConnector keys accepted for compatibility (docs/vllm.md) and kvcascade's own keys.
@@ -129,6 +130,8 @@ class CascadeConfig:
             the process or are shared between processes), so that two models of equal geometry
             on one directory, bucket or server never read each other's KV; None (the default)
             is allowed only without such a tier. The vLLM connector passes the served model.
+            At most 200 bytes in UTF-8, no NUL (it names a directory:
+            :func:`~kvcascade.tiers._file_mapper.check_model_name`).
         cache_salt: tenant salt folded into that namespace.
         enable_events: queue KV events for ``take_events``.
         pending_write_timeout_s: seconds after which a primary write still in flight is failed
@@ -168,10 +171,8 @@ class CascadeConfig:
             )
         if not isinstance(self.enable_events, bool):
             raise ConfigError(f"enable_events must be true or false, got {self.enable_events!r}")
-        if self.model_name is not None and (
-            not isinstance(self.model_name, str) or not self.model_name
-        ):
-            raise ConfigError(f"model_name must be a non-empty string, got {self.model_name!r}")
+        if self.model_name is not None:
+            check_model_name(self.model_name)
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ConfigError(f"cache_salt must be a string, got {self.cache_salt!r}")
         row = round_up(self.block_bytes, PAGE_SIZE)

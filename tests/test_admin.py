@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -202,6 +203,30 @@ def test_a_model_name_with_glob_characters_is_found_and_purged(tmp_path: Path) -
     result = purge_root(tmp_path)
     assert result.files > 0 and result.namespaces == [usage.name]
     assert not list(tmp_path.iterdir())
+
+
+def test_a_config_json_that_is_not_a_file_is_not_read(root: Path) -> None:
+    """Found by a break-it run: a FIFO in place of a namespace's ``config.json`` blocked
+    ``kvcascade inspect`` and ``purge`` for ever (the tier refuses one already). It is now a
+    namespace of unknown identity, its blocks still counted and purged."""
+    first, second = inspect_root(root)
+    fifo = root / first.name / "config.json"
+    fifo.unlink()
+    os.mkfifo(fifo)
+    found: list[object] = []
+    worker = threading.Thread(target=lambda: found.append(inspect_root(root)))
+    worker.start()
+    worker.join(30)
+    if worker.is_alive():  # blocked in the read: release it, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join()
+        pytest.fail("inspect_root blocked reading a FIFO config.json")
+    (usages,) = found
+    assert [(u.name, u.identity is None, u.blocks) for u in usages] == [
+        (first.name, True, first.blocks),
+        (second.name, False, second.blocks),
+    ]
+    assert purge_root(root, [first.name]).files == first.blocks
 
 
 def test_parse_age() -> None:

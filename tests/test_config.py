@@ -24,11 +24,15 @@ import kvcascade as kc
         ({"secondary_tiers": [{"type": "fs"}]}, "fs tier needs 'root_dir'"),
         (
             {"secondary_tiers": [{"type": "fs", "root_dir": 5}]},
-            "fs tier root_dir must be a non-empty directory path, got 5",
+            "fs tier root_dir must be a non-empty directory path without NUL, got 5",
         ),
         (
             {"secondary_tiers": [{"type": "fs", "root_dir": ""}]},
-            "fs tier root_dir must be a non-empty directory path, got ''",
+            "fs tier root_dir must be a non-empty directory path without NUL, got ''",
+        ),
+        (
+            {"secondary_tiers": [{"type": "fs", "root_dir": "/tmp/a\0b"}]},
+            "without NUL, got '/tmp/a\\x00b'",
         ),
         ({"secondary_tiers": [{"type": "fs", "root_dir": "R", "io_threads": 0}]}, "got 0"),
         ({"secondary_tiers": [{"type": "fs", "root_dir": "R", "max_bytes": -5}]}, "got -5"),
@@ -139,6 +143,28 @@ def test_cpu_and_memory_only_configs_need_no_model_name() -> None:
         assert kc.CascadeConfig(cpu_blocks=4, secondary_tiers=[{"type": kind}]).model_name is None
     with pytest.raises(kc.ConfigError, match="model_name must be a non-empty string, got ''"):
         kc.CascadeConfig(cpu_blocks=4, model_name="")
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("m" * 240, "model_name is 240 bytes in UTF-8, more than 200"),
+        ("é" * 101, "model_name is 202 bytes in UTF-8, more than 200"),
+        ("org/mod\0el", "model_name 'org/mod\\x00el' holds a NUL character"),
+        ("org/\udc80", "is not valid Unicode text"),
+    ],
+)
+def test_a_model_name_that_cannot_name_a_directory_is_refused(
+    name: str, message: str, tmp_path: Path
+) -> None:
+    """Found by a break-it run: a 240-character name failed the open with a bare ``OSError: File
+    name too long`` after writing ``config.json`` (a namespace ``inspect`` listed with no block
+    directory), and a NUL with a bare ``ValueError`` after creating ``root_dir``."""
+    tier = {"type": "fs", "root_dir": str(tmp_path / "kv")}
+    with pytest.raises(kc.ConfigError, match=re.escape(message)):
+        kc.CascadeConfig(cpu_blocks=4, secondary_tiers=[tier], model_name=name)
+    assert not (tmp_path / "kv").exists()
+    assert kc.CascadeConfig(cpu_blocks=4, secondary_tiers=[tier], model_name="é" * 100)
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,34 @@ from .._errors import ConfigError
 from .._keys import split_offload_key
 from ._block_format import FORMAT_VERSION
 
+#: The most bytes (UTF-8, ``/`` counted as the ``_`` it becomes) of a model name: the namespace
+#: directory ``<model_name>_<digest12>_r<rank>`` must fit a file name (255 bytes on Linux).
+MAX_MODEL_NAME_BYTES = 200
+
+
+def check_model_name(name: object) -> str:
+    """``name`` if it can name a namespace directory.
+
+    Raises:
+        ConfigError: ``name`` is not a non-empty string, holds a NUL character or text that is
+            not valid Unicode, or is longer than :data:`MAX_MODEL_NAME_BYTES` in UTF-8.
+    """
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"model_name must be a non-empty string, got {name!r}")
+    if "\0" in name:
+        raise ConfigError(f"model_name {name!r} holds a NUL character, which no file name may")
+    try:
+        size = len(name.encode())
+    except UnicodeEncodeError:
+        raise ConfigError(f"model_name {name!r} is not valid Unicode text") from None
+    if size > MAX_MODEL_NAME_BYTES:
+        raise ConfigError(
+            f"model_name is {size} bytes in UTF-8, more than {MAX_MODEL_NAME_BYTES}: the "
+            f"namespace directory <model_name>_<digest>_r<rank> must fit a 255-byte file name "
+            f"(got {name[:60]!r}...)"
+        )
+    return name
+
 
 class FileMapper:
     """Maps offload keys to relative paths inside one namespace.
@@ -42,13 +70,13 @@ class FileMapper:
             field, as vLLM's ``FileMapper``), so every rank shares ``_r0``.
 
     Raises:
-        ConfigError: ``identity`` is not JSON-serialisable, has no ``model_name``, or its
-            ``dtype`` is ``"auto"`` (the namespace needs the resolved dtype).
+        ConfigError: ``identity`` is not JSON-serialisable, its ``model_name`` cannot name a
+            directory (:func:`check_model_name`), or its ``dtype`` is ``"auto"`` (the namespace
+            needs the resolved dtype).
     """
 
     def __init__(self, identity: dict[str, Any], rank: int = 0) -> None:
-        if not isinstance(identity.get("model_name"), str) or not identity["model_name"]:
-            raise ConfigError(f"namespace identity needs a non-empty model_name: {identity!r}")
+        check_model_name(identity.get("model_name"))
         if identity.get("dtype") == "auto":
             raise ConfigError("namespace dtype must be resolved, not 'auto'")
         try:

@@ -1076,8 +1076,10 @@ def check_fs_tier_config(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any
     if "root_dir" not in cfg:
         raise ConfigError("fs tier needs 'root_dir' (a directory path)")
     root = cfg["root_dir"]
-    if not isinstance(root, (str, os.PathLike)) or not str(root):
-        raise ConfigError(f"fs tier root_dir must be a non-empty directory path, got {root!r}")
+    if not isinstance(root, (str, os.PathLike)) or not str(root) or "\0" in str(root):
+        raise ConfigError(
+            f"fs tier root_dir must be a non-empty directory path without NUL, got {root!r}"
+        )
 
     def integer(key: str, default: int) -> int:
         return config_int(cfg, key, default, "fs tier")
