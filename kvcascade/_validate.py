@@ -103,14 +103,38 @@ def display_url(url: str, what: str) -> str:
 
 
 def http_endpoint(url: str, what: str) -> str:
-    """:func:`display_url` of an ``http://`` or ``https://`` endpoint with a host.
+    """:func:`display_url` of an ``http://`` or ``https://`` endpoint with a host:
+    ``http(s)://HOST[:PORT]``, a trailing ``/`` allowed, nothing else.
 
     Raises:
-        ConfigError: as :func:`display_url`, or another scheme or no host
-            (``127.0.0.1:9000``: botocore's bare ``ValueError: Invalid endpoint``).
+        ConfigError: as :func:`display_url`; another scheme or no host (``127.0.0.1:9000``:
+            botocore's bare ``ValueError: Invalid endpoint``); user-info (``user:pw@``:
+            credentials are ``access_key`` / ``secret_key``; the message shows neither part);
+            a path, a query (only its parameter names are shown) or a fragment: none is part
+            of an S3 endpoint (the bucket is its own key, a key prefix is ``prefix``), and
+            botocore put the bucket after the path (an existing bucket answered ``404``) or
+            failed on the query as an unreachable endpoint.
     """
     shown = display_url(url, what)
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"{what} must be http:// or https://HOST[:PORT], got {shown!r}")
+    if "@" in parts.netloc:
+        raise ConfigError(
+            f"{what} {shown!r} holds user-info before '@' (left out here): give credentials "
+            "as access_key and secret_key, not in the URL"
+        )
+    extra = ""
+    if parts.path not in ("", "/"):
+        extra = f"a path ({parts.path!r})"
+    elif parts.query:
+        names = sorted({name for name, _ in urllib.parse.parse_qsl(parts.query, True)})
+        extra = f"a query (parameters {names})"
+    elif parts.fragment:
+        extra = f"a fragment ({'#' + parts.fragment!r})"
+    if extra:
+        raise ConfigError(
+            f"{what} {shown!r} has {extra}: an S3 endpoint is http(s)://HOST[:PORT] only "
+            "(the bucket is its own key, 'bucket'; a key prefix is 'prefix')"
+        )
     return shown

@@ -447,6 +447,54 @@ def test_bad_endpoint_or_max_bytes_is_refused_when_the_config_is_built(
     assert not (tmp_path / "fs").exists()
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "message"),
+    [
+        ("http://127.0.0.1:9/path", "'http://127.0.0.1:9/path' has a path ('/path'): "),
+        (
+            "http://127.0.0.1:9?x=1&y=2",
+            "'http://127.0.0.1:9' has a query (parameters ['x', 'y']): ",
+        ),
+        ("http://127.0.0.1:9#frag", "'http://127.0.0.1:9' has a fragment ('#frag'): "),
+        (
+            "http://user:pw@127.0.0.1:9",
+            "'http://127.0.0.1:9' holds user-info before '@' (left out here): give credentials "
+            "as access_key and secret_key, not in the URL",
+        ),
+    ],
+)
+def test_an_endpoint_with_more_than_host_and_port_is_refused_when_the_config_is_built(
+    tmp_path: Path, host: kc.HostBuffer, endpoint: str, message: str
+) -> None:
+    """A path, a query, a fragment or user-info in ``endpoint_url`` passed the CascadeConfig
+    and failed at start-up with a misleading message (an existing bucket "does not exist", a
+    live endpoint "not reachable"), after an fs tier listed first had created its directory
+    (found by a break-it run). Now each is a ConfigError naming the value (never the user-info)
+    before anything exists; a trailing ``/`` is still an endpoint."""
+    if "user-info" not in message:
+        message += "an S3 endpoint is http(s)://HOST[:PORT] only (the bucket is its own key, "
+        message += "'bucket'; a key prefix is 'prefix')"
+    cfg = {"type": "s3", **tier_config(endpoint, "kv-bucket")}
+    with pytest.raises(kc.ConfigError) as err:
+        kc.CascadeConfig(
+            block_bytes=4096,
+            cpu_blocks=4,
+            model_name="test-model",
+            secondary_tiers=[{"type": "fs", "root_dir": str(tmp_path / "fs")}, cfg],
+        )
+    assert str(err.value) == f"s3 tier endpoint_url {message}"
+    assert "user:" not in str(err.value) and "pw" not in str(err.value)
+    assert not (tmp_path / "fs").exists()
+    with pytest.raises(kc.ConfigError) as err:
+        s3_tier_from_config(host, FileMapper(default_identity("m")), tier_config(endpoint, "kvb"))
+    assert str(err.value) == f"s3 tier endpoint_url {message}"
+    kc.CascadeConfig(
+        cpu_blocks=4,
+        model_name="m",
+        secondary_tiers=[{"type": "s3", **tier_config("http://127.0.0.1:9/", "kv-bucket")}],
+    )
+
+
 def test_an_infinite_connect_timeout_is_refused_naming_it(host: kc.HostBuffer) -> None:
     """``connect_timeout_s=inf`` passed the ``> 0`` check, and a healthy endpoint was then
     reported ``not reachable`` at start-up (found by a break-it run)."""
