@@ -11,7 +11,9 @@ redis-py (an optional extra): :class:`~kvcascade.CascadeConfig` calls
 
 from __future__ import annotations
 
+import re
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 from .._errors import ConfigError
@@ -46,12 +48,78 @@ CONFIG_KEYS = frozenset(
 _WHAT = "valkey tier"
 
 
+_QUERY_RULES: dict[str, tuple[Callable[[str], bool], str]] = {
+    "db": (lambda v: v.isascii() and v.isdigit(), "a database number (0, 1, ...)"),
+    "protocol": (lambda v: v in ("2", "3"), "2 or 3 (RESP2 or RESP3)"),
+    "ssl_cert_reqs": (
+        lambda v: v in ("none", "optional", "required"),
+        "none, optional or required",
+    ),
+    "ssl_check_hostname": (lambda v: v.lower() in ("true", "false"), "true or false"),
+    "ssl_ca_certs": (bool, "a file path"),
+    "ssl_certfile": (bool, "a file path"),
+    "ssl_keyfile": (bool, "a file path"),
+}
+"""The query parameters of ``url`` the tier passes on (redis-py's ``parse_url``) → a check of
+the value and its rule; the ``ssl_`` ones only over TLS (``rediss://``, ``valkeys://``). Any
+other reached redis-py as a keyword its connection does not take (a bare ``TypeError`` at
+start-up) or was read silently (``?db=abc`` a bare ``ValueError``)."""
+_TIER_KEY_OF = {
+    "socket_connect_timeout": "connect_timeout_s",
+    "socket_timeout": "timeout_s",
+    "timeout": "io_timeout_s",
+    "max_connections": "max_concurrency",
+    "retry_on_timeout": "max_attempts",
+    "retry_on_error": "max_attempts",
+    "username": "username",
+}
+"""Query parameters redis-py reads that the tier sets from its own keys (the URL's would win)."""
+
+
+def _check_query(parts: urllib.parse.SplitResult, shown: str) -> None:
+    """Refuse a query parameter or path of ``url`` the client would not take as meant.
+
+    Raises:
+        ConfigError: naming the parameter (the value only for a parameter of
+            :data:`_QUERY_RULES`): another parameter, one given twice, an ``ssl_`` one without
+            TLS, a value outside its rule; a path that is not a database number (redis-py
+            ignored ``/abc`` and read ``/1/2`` as 12); a database in both path and query.
+    """
+    tls = parts.scheme in ("rediss", "valkeys")
+    seen: set[str] = set()
+    for name, value in urllib.parse.parse_qsl(parts.query, keep_blank_values=True):
+        where = f"valkey tier url {shown!r}: query parameter {name!r}"
+        if name in _TIER_KEY_OF:
+            raise ConfigError(f"{where} is set by the tier's key {_TIER_KEY_OF[name]!r}: use it")
+        if name not in _QUERY_RULES:
+            accepted = ", ".join(_QUERY_RULES)
+            raise ConfigError(f"{where} is not accepted; accepted: {accepted}")
+        if name in seen:
+            raise ConfigError(f"{where} is given twice")
+        seen.add(name)
+        if name.startswith("ssl_") and not tls:
+            raise ConfigError(f"{where} is a TLS option: only with rediss:// or valkeys://")
+        check, rule = _QUERY_RULES[name]
+        if not check(value):
+            raise ConfigError(f"{where} must be {rule}, got {value!r}")
+    if parts.scheme == "unix":
+        return
+    if not re.fullmatch("(/[0-9]*)?", parts.path):
+        raise ConfigError(
+            f"valkey tier url {shown!r}: the path must be a database number (/0, /1, ...), "
+            f"got {parts.path!r}"
+        )
+    if parts.path.strip("/") and "db" in seen:
+        raise ConfigError(f"valkey tier url {shown!r}: give the database once, path or ?db=")
+
+
 def client_url(url: str) -> str:
     """``url`` in the scheme the client reads.
 
     Raises:
-        ConfigError: an unknown scheme, no host, or a password in the URL (give it as
-            ``password``: the URL is copied into replay reports and logs).
+        ConfigError: an unknown scheme, no host, a password in the URL (give it as
+            ``password``: the URL is copied into replay reports and logs), or a query or path
+            the client would not take as meant (:func:`_check_query`).
     """
     if not isinstance(url, str) or not url:
         raise ConfigError(f"valkey tier url must be a non-empty string, got {url!r}")
@@ -59,15 +127,14 @@ def client_url(url: str) -> str:
     parts = urllib.parse.urlsplit(url)
     if parts.password is not None or "password" in urllib.parse.parse_qs(parts.query):
         raise ConfigError(f"valkey tier url {shown!r} holds a password: give it as 'password'")
-    if parts.scheme == "unix":
-        return url
     scheme = _SCHEMES.get(parts.scheme)
-    if scheme is None or not parts.hostname:
+    if parts.scheme != "unix" and (scheme is None or not parts.hostname):
         raise ConfigError(
             f"valkey tier url must be redis://, rediss://, valkey://, valkeys:// HOST[:PORT] "
             f"or unix://PATH, got {shown!r}"
         )
-    return urllib.parse.urlunsplit((scheme, *parts[1:]))
+    _check_query(parts, shown)
+    return url if scheme is None else urllib.parse.urlunsplit((scheme, *parts[1:]))
 
 
 def valkey_tier_options(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any]:

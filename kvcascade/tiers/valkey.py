@@ -325,7 +325,9 @@ class ValkeyTier(SecondaryTier):
         a server that does not answer ``CONFIG GET`` (managed services) is not checked.
 
         Raises:
-            TierUnavailableError: the server cannot be reached or refused the credentials; the
+            TierUnavailableError: the server cannot be reached, refused the credentials, or
+                answered the connection's set-up with another error (``SELECT`` of a database
+                it does not have: ``DB index is out of range``, its words in the message); the
                 message names the URL (without credentials) and the error's type.
         """
         self._client = self._make_client()
@@ -333,8 +335,12 @@ class ValkeyTier(SecondaryTier):
             with self._backend.translate("PING"):
                 await self._client.ping()
         except (TierUnavailableError, TransferError) as exc:
-            refused = isinstance(exc.__cause__, (rexc.AuthenticationError, rexc.NoPermissionError))
-            what = "refused the credentials" if refused else "is not reachable"
+            if isinstance(exc.__cause__, (rexc.AuthenticationError, rexc.NoPermissionError)):
+                what = "refused the credentials"
+            elif isinstance(exc, TransferError):  # it answered, with an error
+                what = f"refused the connection: {exc.__cause__}"
+            else:
+                what = "is not reachable"
             raise TierUnavailableError(
                 f"valkey tier {self.name!r}: server {self.url} {what} ({exc})"
             ) from exc

@@ -131,6 +131,72 @@ def test_config_errors_name_the_bad_value_and_never_the_password(
     assert PASSWORD not in caplog.text
 
 
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("redis://h:1?foo=1", "query parameter 'foo' is not accepted; accepted: db, protocol, "),
+        ("redis://h:1?db=abc", "query parameter 'db' must be a database number (0, 1, ...), "),
+        ("redis://h:1?protocol=4", "query parameter 'protocol' must be 2 or 3 (RESP2 or RESP3)"),
+        (
+            "redis://h:1?socket_timeout=9",
+            "query parameter 'socket_timeout' is set by the tier's key 'timeout_s': use it",
+        ),
+        ("redis://h:1?db=1&db=2", "query parameter 'db' is given twice"),
+        (
+            "redis://h:1?ssl_cert_reqs=none",
+            "query parameter 'ssl_cert_reqs' is a TLS option: only with rediss:// or valkeys://",
+        ),
+        ("redis://h:1/abc", "the path must be a database number (/0, /1, ...), got '/abc'"),
+        ("redis://h:1/1/2", "the path must be a database number (/0, /1, ...), got '/1/2'"),
+        ("redis://h:1/1?db=2", "give the database once, path or ?db="),
+    ],
+)
+def test_a_url_query_or_path_the_client_would_misread_is_refused_naming_it(
+    host: kc.HostBuffer, tmp_path: Path, url: str, message: str
+) -> None:
+    """``?foo=1`` passed the CascadeConfig and open_cascade raised redis-py's bare TypeError
+    (``AbstractConnection.__init__() got an unexpected keyword argument 'foo'``), ``?db=abc`` its
+    bare ValueError, after an fs tier listed first had created its directory; ``/abc`` was
+    ignored (database 0) and ``/1/2`` read as 12 (found by a break-it run). Now each is a
+    ConfigError naming the parameter, before anything exists; the parameters redis-py reads
+    and the tier does not set itself are accepted."""
+    fs = tmp_path / "fs"
+    with pytest.raises(kc.ConfigError) as err:
+        kc.CascadeConfig(
+            block_bytes=4096,
+            cpu_blocks=4,
+            model_name="test-model",
+            secondary_tiers=[{"type": "fs", "root_dir": str(fs)}, {"type": "valkey", "url": url}],
+        )
+    shown = url.partition("?")[0]
+    assert str(err.value).startswith(f"valkey tier url {shown!r}: {message}")
+    assert not fs.exists()
+    for good in (
+        "redis://h:1/2",
+        "valkey://h:1/?db=3&protocol=2",
+        "unix:///tmp/kv.sock?db=1",
+        "valkeys://h:1?ssl_cert_reqs=none&ssl_check_hostname=false&ssl_ca_certs=/ca.pem",
+    ):
+        tier = valkey_tier_from_config(host, FileMapper(default_identity("m")), {"url": good})
+        assert tier._client_url == good.replace("valkey", "redis", 1)
+
+
+async def test_startup_with_a_database_the_server_lacks_says_the_server_refused_it(
+    server: Server, host: kc.HostBuffer
+) -> None:
+    """``/99`` on a server of 16 databases: start-up said the server "is not reachable", though
+    it answered (found by a break-it run). Now it says the server refused the connection, in
+    the server's words."""
+    tier = make_tier(f"{server.url}/99", host, max_attempts=1)
+    with pytest.raises(kc.TierUnavailableError) as err:
+        await asyncio.wait_for(tier.serve(), 10)
+    assert str(err.value) == (
+        f"valkey tier 'valkey': server {server.url}/99 refused the connection: DB index is out "
+        "of range (valkey PING failed (ResponseError))"
+    )
+    assert tier._client is None
+
+
 async def test_startup_fails_naming_the_server_when_unreachable(
     host: kc.HostBuffer, caplog: pytest.LogCaptureFixture
 ) -> None:
