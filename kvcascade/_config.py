@@ -123,7 +123,7 @@ class CascadeConfig:
         secondary_tiers: list of tier dicts, each with ``type`` (``fs``, ``memory``, ``s3``,
             ``valkey`` — vLLM's ``example`` and ``obj`` are aliases of ``memory`` and ``s3`` —,
             a registered type, or a class name with ``module_path``) and that tier's keys, in
-            cascade order; ``name`` (default: the type) must be unique.
+            cascade order; ``name`` (default: the type) must be a non-empty string and unique.
         model_name: the model's id (e.g. ``"meta-llama/Llama-3.1-8B"``), the first field of the
             namespace of the persistent tiers (docs/fs-tier.md, "Namespace"). Required with any
             secondary tier but ``memory`` (fs, s3, valkey, out-of-tree types: their blocks outlive
@@ -193,7 +193,7 @@ class CascadeConfig:
         if not isinstance(self.secondary_tiers, list):
             raise ConfigError(f"secondary_tiers must be a list, got {self.secondary_tiers!r}")
         from .policies.registry import resolve_cache_policy
-        from .tiers.registry import check_tier_config, is_process_local
+        from .tiers.registry import check_tier_config, is_process_local, tier_name
 
         module_path = self.cache_policy_module_path
         if module_path is not None and not (isinstance(module_path, str) and module_path):
@@ -205,7 +205,7 @@ class CascadeConfig:
         roots: dict[str, str] = {}
         for tier in self.secondary_tiers:
             check_tier_config(tier, self.block_bytes)
-            name = tier.get("name", tier["type"])
+            name = tier_name(tier)
             if name in ("gpu", "cpu"):
                 raise ConfigError(
                     f"secondary tier name {name!r} is reserved (the GPU and CPU tiers' names)"
@@ -227,7 +227,7 @@ class CascadeConfig:
         if self.model_name is None and persistent:
             tier = persistent[0]
             raise ConfigError(
-                f"model_name is required with secondary tier {tier.get('name', tier['type'])!r} "
+                f"model_name is required with secondary tier {tier_name(tier)!r} "
                 f"(type {tier['type']!r}): its blocks outlive this process or are shared, and "
                 "engines of equal geometry but different models would read each other's KV; "
                 "set model_name to the model's id (e.g. 'meta-llama/Llama-3.1-8B')"

@@ -83,6 +83,19 @@ def config_seconds(cfg: Mapping[str, Any], key: str, default: float, what: str) 
     return float(value)
 
 
+def config_name(cfg: Mapping[str, Any], default: str, what: str) -> str:
+    """``cfg["name"]`` (``default`` when absent), a tier's name: a non-empty string.
+
+    Raises:
+        ConfigError: another value (``""``, None, a number); the message names ``what`` (e.g.
+            ``"s3 tier"``) and the value.
+    """
+    name = cfg.get("name", default)
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{what} name must be a non-empty string, got {name!r}")
+    return name
+
+
 def display_url(url: str, what: str) -> str:
     """``url`` without user-info or query (never a credential), for messages and reports.
 

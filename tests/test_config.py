@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 
 import kvcascade as kc
+from kvcascade.tiers._file_mapper import FileMapper, default_identity
+from kvcascade.tiers.fs import fs_tier_from_config
+from kvcascade.tiers.s3 import s3_tier_from_config
+from kvcascade.tiers.valkey import valkey_tier_from_config
 
 
 @pytest.mark.parametrize(
@@ -184,6 +188,47 @@ def test_a_tier_name_used_twice_or_reserved_is_refused(tiers: list, message: str
     with pytest.raises(kc.ConfigError) as err:
         kc.CascadeConfig(cpu_blocks=4, secondary_tiers=tiers)
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize("kind", ["s3", "valkey", "fs", "memory"])
+@pytest.mark.parametrize("name", ["", None, 5])
+def test_a_tier_name_that_is_not_a_non_empty_string_is_refused(
+    kind: str, name: object, tmp_path: Path
+) -> None:
+    """The uniqueness check read ``tier.get("name", type)`` and the s3 and valkey factories
+    ``cfg.get("name") or type``: ``"name": ""`` beside a default-named tier of the same type
+    passed, and two tiers were named ``s3`` (found by a break-it run). One rule now
+    (``kvcascade.tiers.registry.tier_name``): the check, every factory and the replay read
+    it, and a name that is not a non-empty string is refused, naming it, before anything
+    exists."""
+    keys = {
+        "s3": {"bucket": "kvb"},
+        "valkey": {"url": "redis://127.0.0.1:1"},
+        "fs": {"root_dir": str(tmp_path / "a")},
+        "memory": {},
+    }[kind]
+    first = {"type": "fs", "root_dir": str(tmp_path / "fs"), "name": "first"}
+    tiers = [first, {"type": kind, **keys}]
+    with pytest.raises(kc.ConfigError) as err:
+        kc.CascadeConfig(
+            cpu_blocks=4, model_name="m", secondary_tiers=[*tiers, {**tiers[1], "name": name}]
+        )
+    assert (
+        str(err.value) == f"secondary tier {kind!r} name must be a non-empty string, got {name!r}"
+    )
+    assert not (tmp_path / "fs").exists() and not (tmp_path / "a").exists()
+    if kind != "memory":  # the factories called directly read the same rule
+        factory = {
+            "s3": s3_tier_from_config,
+            "valkey": valkey_tier_from_config,
+            "fs": fs_tier_from_config,
+        }[kind]
+        host = kc.HostBuffer(1, 64)
+        with pytest.raises(kc.ConfigError) as err:
+            factory(host, FileMapper(default_identity("m")), {**keys, "name": name})
+        host.close()
+        assert str(err.value) == f"{kind} tier name must be a non-empty string, got {name!r}"
+        assert not (tmp_path / "a").exists()
 
 
 def test_an_unsupported_spec_name_is_refused_as_the_connector_refuses_it() -> None:

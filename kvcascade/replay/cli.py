@@ -381,7 +381,9 @@ def _row(label: str, value: str) -> str:
 
 def _describe_tier(tier: dict[str, Any]) -> str:
     """``name (type): key=value, …`` of a (redacted) tier entry."""
-    name = tier.get("name", tier["type"])
+    from ..tiers.registry import tier_name
+
+    name = tier_name(tier)
     kind = f" ({tier['type']})" if name != tier["type"] else ""
     rest = ", ".join(f"{k}={v}" for k, v in tier.items() if k not in ("type", "name"))
     return f"{name}{kind}: {rest}" if rest else f"{name}{kind}"

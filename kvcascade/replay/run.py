@@ -36,6 +36,7 @@ from .._errors import ConfigError
 from .._keys import make_offload_key
 from .._types import ReqContext
 from ..cascade import Cascade, open_cascade
+from ..tiers.registry import tier_name
 from .trace import TraceRequest
 
 _K1 = np.uint64(0x9E3779B97F4A7C15)
@@ -194,7 +195,7 @@ async def replay(
     report.hit_blocks = {
         "gpu": 0,
         "cpu": 0,
-        **{t.get("name", t["type"]): 0 for t in config.secondary_tiers},
+        **{tier_name(t): 0 for t in config.secondary_tiers},
     }
     report.hit_series = {tier: [] for tier in report.hit_blocks}
     start = time.perf_counter()

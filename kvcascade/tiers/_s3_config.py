@@ -17,7 +17,7 @@ import re
 from typing import Any
 
 from .._errors import ConfigError
-from .._validate import config_int, config_seconds, http_endpoint, is_number
+from .._validate import config_int, config_name, config_seconds, http_endpoint, is_number
 from ._block_format import SECRET_KEYS, check_secret_config, file_size
 from .base import PROBE_TIMEOUT_S
 
@@ -99,9 +99,9 @@ def s3_tier_options(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any]:
             ``region`` botocore refuses (:func:`check_region`), an ``endpoint_url`` that is no
             ``http(s)://HOST[:PORT]`` (:func:`kvcascade._validate.http_endpoint`), a value of
             the wrong type or range (counts ``>= 1``, seconds ``> 0``, ``connect_timeout_s``
-            finite, ``orphan_upload_age_s >= 0``), only one of ``access_key`` / ``secret_key``,
-            both secret keys, or a ``max_bytes`` below one block object (every store to the
-            tier failed).
+            finite, ``orphan_upload_age_s >= 0``, ``name`` non-empty), only one of
+            ``access_key`` / ``secret_key``, both secret keys, or a ``max_bytes`` below one
+            block object (every store to the tier failed).
     """
     unknown = sorted(set(cfg) - CONFIG_KEYS)
     if unknown:
@@ -113,7 +113,6 @@ def s3_tier_options(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any]:
         "prefix",
         "addressing_style",
         "cache_salt",
-        "name",
         *CREDENTIAL_KEYS,
     ):
         if cfg.get(key) is not None and not isinstance(cfg[key], str):
@@ -131,6 +130,7 @@ def s3_tier_options(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any]:
     if bool(cfg.get("access_key")) != bool(cfg.get("secret_key")):
         raise ConfigError(f"{_WHAT} needs both access_key and secret_key, or neither")
     check_secret_config(cfg, _WHAT)
+    name = config_name(cfg, "s3", _WHAT)
 
     def integer(key: str, default: int) -> int:
         return config_int(cfg, key, default, _WHAT)
@@ -166,7 +166,7 @@ def s3_tier_options(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any]:
         "multipart_threshold_bytes": integer("multipart_threshold_bytes", 8 * 1024 * 1024),
         "max_bytes": max_bytes,
         "orphan_upload_age_s": float(age),
-        "name": cfg.get("name") or "s3",
+        "name": name,
         "io_timeout_s": seconds("io_timeout_s", 30.0),
         "max_queued_jobs": integer("max_queued_jobs", 1024),
         "probe_timeout_s": seconds("probe_timeout_s", PROBE_TIMEOUT_S),

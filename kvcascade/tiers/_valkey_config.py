@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._errors import ConfigError
-from .._validate import config_int, config_seconds, display_url
+from .._validate import config_int, config_name, config_seconds, display_url
 from ._block_format import SECRET_KEYS, check_secret_config
 from .base import PROBE_TIMEOUT_S
 
@@ -151,13 +151,13 @@ def valkey_tier_options(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any]
     Raises:
         ConfigError: naming the key and the value (never the password): an unknown key, a
             missing ``url`` or a bad one (:func:`client_url`), a cluster over ``unix://``, a
-            value of the wrong type or range (counts ``>= 1``, seconds ``> 0``), both secret
-            keys.
+            value of the wrong type or range (counts ``>= 1``, seconds ``> 0``, ``name``
+            non-empty), both secret keys.
     """
     unknown = sorted(set(cfg) - CONFIG_KEYS)
     if unknown:
         raise ConfigError(f"unknown {_WHAT} keys {unknown}; known: {sorted(CONFIG_KEYS)}")
-    for key in ("url", "prefix", "username", "password", "cache_salt", "name"):
+    for key in ("url", "prefix", "username", "password", "cache_salt"):
         if cfg.get(key) is not None and not isinstance(cfg[key], str):
             shown = "a secret" if key == "password" else repr(cfg[key])
             raise ConfigError(f"{_WHAT} {key} must be a string, got {shown}")
@@ -169,6 +169,7 @@ def valkey_tier_options(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any]
     if client_url(cfg["url"]).startswith("unix:") and cluster:
         raise ConfigError("a valkey cluster is reached over TCP, not unix://")
     check_secret_config(cfg, _WHAT)
+    name = config_name(cfg, "valkey", _WHAT)
 
     def integer(key: str, default: int) -> int:
         return config_int(cfg, key, default, _WHAT)
@@ -186,7 +187,7 @@ def valkey_tier_options(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any]
         "connect_timeout_s": seconds("connect_timeout_s", 2.0),
         "timeout_s": seconds("timeout_s", 5.0),
         "max_attempts": integer("max_attempts", 3),
-        "name": cfg.get("name") or "valkey",
+        "name": name,
         "io_timeout_s": seconds("io_timeout_s", 30.0),
         "max_queued_jobs": integer("max_queued_jobs", 1024),
         "probe_timeout_s": seconds("probe_timeout_s", PROBE_TIMEOUT_S),

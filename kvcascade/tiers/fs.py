@@ -78,7 +78,7 @@ import numpy as np
 from .._atomic import replace_file
 from .._errors import ConfigError, CorruptBlockError, TransferError
 from .._keys import make_offload_key
-from .._validate import config_int, config_seconds
+from .._validate import config_int, config_name, config_seconds
 from ..ops import _build
 from ..ops.swap import _checked
 from ._block_format import (
@@ -1068,7 +1068,7 @@ def check_fs_tier_config(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any
 
     Raises:
         ConfigError: missing ``root_dir``, an unknown key (named in the message), or a value of
-            the wrong type or range (``io_threads=0``, ``max_bytes=-5``, …).
+            the wrong type or range (``io_threads=0``, ``max_bytes=-5``, ``name=""``, …).
     """
     unknown = sorted(set(cfg) - _CONFIG_KEYS)
     if unknown:
@@ -1094,9 +1094,9 @@ def check_fs_tier_config(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any
             "few per device keep it busy)"
         )
     timeout = config_seconds(cfg, "io_timeout_s", 30.0, "fs tier")
-    for key in ("cache_salt", "name"):
-        if key in cfg and not isinstance(cfg[key], str):
-            raise ConfigError(f"fs tier {key} must be a string, got {cfg[key]!r}")
+    if "cache_salt" in cfg and not isinstance(cfg["cache_salt"], str):
+        raise ConfigError(f"fs tier cache_salt must be a string, got {cfg['cache_salt']!r}")
+    name = config_name(cfg, "fs", "fs tier")
     check_secret_config(cfg, "fs tier")
     max_bytes = integer("max_bytes", 0) if "max_bytes" in cfg else None
     if max_bytes is not None and max_bytes < file_size(block_bytes):
@@ -1106,7 +1106,7 @@ def check_fs_tier_config(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any
         )
     return {
         "root_dir": root,
-        "name": cfg.get("name", "fs"),
+        "name": name,
         "io_threads": threads,
         "io_timeout_s": timeout,
         "max_queued_jobs": integer("max_queued_jobs", 1024),

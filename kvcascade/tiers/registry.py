@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import ConfigError
+from .._validate import config_name
 from ._file_mapper import FileMapper
 from .base import SecondaryTier
 from .cpu import HostBuffer
@@ -82,6 +83,18 @@ def _valkey_factory(ctx: TierContext, **kwargs: Any) -> SecondaryTier:
 
 #: Types whose blocks live and die with the process that made them (no namespace needed).
 _PROCESS_LOCAL = frozenset({"memory", "example"})
+
+
+def tier_name(tier_cfg: dict[str, Any]) -> str:
+    """The name of a ``secondary_tiers`` entry (``type`` checked): its ``name``, the type when
+    absent; the one rule for it (:class:`kvcascade.CascadeConfig`'s uniqueness check and the
+    tier's factory read the same).
+
+    Raises:
+        ConfigError: ``name`` is not a non-empty string (``""`` made a second tier named after
+            its type beside the default-named one), naming the type and the value.
+    """
+    return config_name(tier_cfg, tier_cfg["type"], f"secondary tier {tier_cfg['type']!r}")
 
 
 def is_process_local(tier_cfg: dict[str, Any]) -> bool:
@@ -159,7 +172,8 @@ def check_tier_config(tier_cfg: dict[str, Any], block_bytes: int) -> None:
     types the keys' values.
 
     Raises:
-        ConfigError: see :func:`resolve_tier_factory` and the type's checker (e.g.
+        ConfigError: see :func:`resolve_tier_factory`, :func:`tier_name` and the type's
+            checker (e.g.
             :func:`kvcascade.tiers.fs.check_fs_tier_config`,
             :func:`kvcascade.tiers._s3_config.s3_tier_options`,
             :func:`kvcascade.tiers._valkey_config.valkey_tier_options`).
@@ -172,10 +186,11 @@ def check_tier_config(tier_cfg: dict[str, Any], block_bytes: int) -> None:
 
 def create_secondary_tier(tier_cfg: dict[str, Any], ctx: TierContext) -> SecondaryTier:
     """Build one tier: its config without ``type``/``module_path`` becomes keyword arguments;
-    ``name`` defaults to the type.
+    ``name`` defaults to the type (:func:`tier_name`).
 
     Raises:
-        ConfigError: see :func:`resolve_tier_factory`, or a bad tier key.
+        ConfigError: see :func:`resolve_tier_factory` and :func:`tier_name`, or a bad tier
+            key.
     """
     factory, kwargs = _factory_and_kwargs(tier_cfg, ctx)
     return factory(ctx, **kwargs)
@@ -184,15 +199,16 @@ def create_secondary_tier(tier_cfg: dict[str, Any], ctx: TierContext) -> Seconda
 def _factory_and_kwargs(
     tier_cfg: dict[str, Any], ctx: TierContext | None
 ) -> tuple[TierFactory, dict[str, Any]]:
-    """The entry's factory and keyword arguments (``name`` defaulting to the type), checked
-    to bind to the factory's signature.
+    """The entry's factory and keyword arguments (``name``: :func:`tier_name`), checked to
+    bind to the factory's signature.
 
     Raises:
-        ConfigError: see :func:`resolve_tier_factory`, or a key the factory does not take.
+        ConfigError: see :func:`resolve_tier_factory` and :func:`tier_name`, or a key the
+            factory does not take.
     """
     factory = resolve_tier_factory(tier_cfg)
     kwargs = {k: v for k, v in tier_cfg.items() if k not in ("type", "module_path")}
-    kwargs.setdefault("name", tier_cfg["type"])
+    kwargs["name"] = tier_name(tier_cfg)
     try:
         inspect.signature(factory).bind(ctx, **kwargs)
     except TypeError as exc:
