@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._errors import ConfigError
-from ._validate import is_int, is_number
+from ._validate import check_number, is_int
 from .tiers._file_mapper import check_model_name
 from .tiers.cpu import PAGE_SIZE, round_up
 
@@ -135,7 +135,13 @@ class CascadeConfig:
         cache_salt: tenant salt folded into that namespace.
         enable_events: queue KV events for ``take_events``.
         pending_write_timeout_s: seconds after which a primary write still in flight is failed
-            and its key becomes a miss (None: never; vLLM has no such deadline, #49829).
+            and its key becomes a miss, a finite number ``> 0`` (None: never; vLLM has no such
+            deadline, #49829).
+
+    Raises:
+        ConfigError: at construction, a value outside its attribute's rule (NaN or an
+            infinity for ``pending_write_timeout_s`` too), naming it; a tier entry's:
+            :func:`kvcascade.tiers.registry.check_tier_config`.
     """
 
     block_bytes: int = 4096
@@ -185,10 +191,12 @@ class CascadeConfig:
                 f"cpu_bytes_to_use={self.cpu_bytes_to_use} B is smaller than one primary block "
                 f"({row} B for {self.block_bytes} B of KV); give at least {row}"
             )
-        timeout = self.pending_write_timeout_s
-        if timeout is not None and (not is_number(timeout) or timeout <= 0):
-            raise ConfigError(
-                f"pending_write_timeout_s must be > 0 seconds or null, got {timeout!r}"
+        if self.pending_write_timeout_s is not None:  # NaN never expired a write
+            check_number(
+                "pending_write_timeout_s (seconds; null: no deadline)",
+                self.pending_write_timeout_s,
+                0,
+                above=True,
             )
         if not isinstance(self.secondary_tiers, list):
             raise ConfigError(f"secondary_tiers must be a list, got {self.secondary_tiers!r}")

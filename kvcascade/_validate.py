@@ -72,15 +72,15 @@ def config_int(cfg: Mapping[str, Any], key: str, default: int, what: str) -> int
 
 
 def config_seconds(cfg: Mapping[str, Any], key: str, default: float, what: str) -> float:
-    """``cfg[key]`` (``default`` when absent), a number of seconds ``> 0``, as a float.
+    """``cfg[key]`` (``default`` when absent), a finite number of seconds ``> 0``, as a float
+    (every such key is a deadline: an infinite one is none, and ``10**400`` raised a bare
+    ``OverflowError``).
 
     Raises:
-        ConfigError: another value; the message names ``what``, the key and the value.
+        ConfigError: another value (NaN, an infinity, ``0``, a bool, …); the message names
+            ``what``, the key and the value.
     """
-    value = cfg.get(key, default)
-    if not is_number(value) or not value > 0:
-        raise ConfigError(f"{what} {key} must be a number > 0 (seconds), got {value!r}")
-    return float(value)
+    return check_number(f"{what} {key}", cfg.get(key, default), 0, above=True)
 
 
 def config_name(cfg: Mapping[str, Any], default: str, what: str) -> str:

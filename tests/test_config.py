@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -259,3 +260,67 @@ def test_store_threshold_is_checked_before_it_is_read(threshold: object, message
     break-it run); it now runs these checks first (``check_vllm_keys``)."""
     with pytest.raises(kc.ConfigError, match=re.escape(message)):
         kc.CascadeConfig.from_extra_config({"cpu_blocks": 4, "store_threshold": threshold})
+
+
+@pytest.mark.parametrize(
+    "value", [math.nan, math.inf, -math.inf, 10**400, 0], ids=["nan", "inf", "-inf", "10**400", "0"]
+)
+def test_pending_write_timeout_must_be_finite_and_positive(value: object) -> None:
+    """``pending_write_timeout_s=nan`` was accepted (an ``is_number`` check) and no write ever
+    expired (``start < now - nan`` is false); ``10**400`` would have raised a bare
+    ``OverflowError`` at the first expiry pass (found by a break-it run). ``inf`` means no
+    deadline, which is spelt ``null``: refused too."""
+    with pytest.raises(kc.ConfigError) as err:
+        kc.CascadeConfig(cpu_blocks=4, pending_write_timeout_s=value)
+    assert str(err.value) == (
+        "pending_write_timeout_s (seconds; null: no deadline) must be a finite number > 0, "
+        f"got {value!r:.40}"
+    )
+    for good in (None, 0.5, 120):
+        assert kc.CascadeConfig(cpu_blocks=4, pending_write_timeout_s=good)
+
+
+_SECONDS_KEYS = (
+    [("fs", {"root_dir": "R"}, key) for key in ("io_timeout_s", "probe_timeout_s")]
+    + [
+        ("s3", {"bucket": "kvb"}, key)
+        for key in (
+            "connect_timeout_s",
+            "read_timeout_s",
+            "io_timeout_s",
+            "probe_timeout_s",
+            "orphan_upload_age_s",
+        )
+    ]
+    + [
+        ("valkey", {"url": "redis://127.0.0.1:1"}, key)
+        for key in ("connect_timeout_s", "timeout_s", "io_timeout_s", "probe_timeout_s")
+    ]
+)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, 10**400], ids=["nan", "inf", "10**400"])
+@pytest.mark.parametrize(("kind", "keys", "key"), _SECONDS_KEYS)
+def test_every_seconds_key_of_a_tier_must_be_finite(
+    kind: str, keys: dict, key: str, value: object, tmp_path: Path
+) -> None:
+    """The tiers' seconds keys passed ``inf`` (an ``is_number`` check: a deadline that never
+    comes) and ``10**400`` (then a bare ``OverflowError`` from ``float()``, not a
+    ConfigError); NaN only by luck of a ``> 0`` test. Each is now a ConfigError naming the
+    key and the value, before an fs tier listed first has created its directory."""
+    keys = {k: str(tmp_path / "kv") if v == "R" else v for k, v in keys.items()}
+    first = {"type": "fs", "root_dir": str(tmp_path / "fs"), "name": "first"}
+    with pytest.raises(kc.ConfigError) as err:
+        kc.CascadeConfig(
+            cpu_blocks=4,
+            model_name="m",
+            secondary_tiers=[first, {"type": kind, **keys, key: value}],
+        )
+    bound = ">= 0" if key == "orphan_upload_age_s" else "> 0"
+    assert str(err.value) == (
+        f"{kind} tier {key} must be a finite number {bound}, got {value!r:.40}"
+    )
+    assert not (tmp_path / "fs").exists() and not (tmp_path / "kv").exists()
+    kc.CascadeConfig(
+        cpu_blocks=4, model_name="m", secondary_tiers=[{"type": kind, **keys, key: 0.25}]
+    )

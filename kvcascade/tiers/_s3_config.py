@@ -12,12 +12,11 @@ name outside S3's rule used to reach the endpoint, which answered ``400`` or, fo
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
 from .._errors import ConfigError
-from .._validate import config_int, config_name, config_seconds, http_endpoint, is_number
+from .._validate import check_number, config_int, config_name, config_seconds, http_endpoint
 from ._block_format import SECRET_KEYS, check_secret_config, file_size
 from .base import PROBE_TIMEOUT_S
 
@@ -98,8 +97,8 @@ def s3_tier_options(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any]:
             a missing ``bucket`` or one outside S3's rule (:func:`check_bucket_name`), a
             ``region`` botocore refuses (:func:`check_region`), an ``endpoint_url`` that is no
             ``http(s)://HOST[:PORT]`` (:func:`kvcascade._validate.http_endpoint`), a value of
-            the wrong type or range (counts ``>= 1``, seconds ``> 0``, ``connect_timeout_s``
-            finite, ``orphan_upload_age_s >= 0``, ``name`` non-empty), only one of
+            the wrong type or range (counts ``>= 1``, seconds finite and ``> 0``,
+            ``orphan_upload_age_s`` finite and ``>= 0``, ``name`` non-empty), only one of
             ``access_key`` / ``secret_key``, both secret keys, or a ``max_bytes`` below one
             block object (every store to the tier failed).
     """
@@ -138,9 +137,6 @@ def s3_tier_options(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any]:
     def seconds(key: str, default: float) -> float:
         return config_seconds(cfg, key, default, _WHAT)
 
-    connect_timeout_s = seconds("connect_timeout_s", 5.0)
-    if connect_timeout_s == math.inf:  # a healthy endpoint was reported "not reachable"
-        raise ConfigError(f"{_WHAT} connect_timeout_s must be > 0 and finite, got inf")
     max_bytes = integer("max_bytes", 0) if cfg.get("max_bytes") is not None else None
     size = file_size(block_bytes)
     if max_bytes is not None and max_bytes < size:
@@ -148,11 +144,7 @@ def s3_tier_options(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any]:
             f"{_WHAT} max_bytes={max_bytes} cannot hold one block object ({size} B for "
             f"{block_bytes} B blocks)"
         )
-    age = cfg.get("orphan_upload_age_s", 3600.0)
-    if not is_number(age) or not 0 <= age < math.inf:
-        raise ConfigError(
-            f"{_WHAT} orphan_upload_age_s must be a number >= 0 (seconds), got {age!r}"
-        )
+    age = check_number(f"{_WHAT} orphan_upload_age_s", cfg.get("orphan_upload_age_s", 3600.0), 0)
     return {
         "bucket": cfg["bucket"],
         "endpoint_url": cfg.get("endpoint_url"),
@@ -160,12 +152,12 @@ def s3_tier_options(cfg: dict[str, Any], block_bytes: int) -> dict[str, Any]:
         "prefix": cfg.get("prefix") or "",
         "addressing_style": style,
         "max_concurrency": integer("max_concurrency", 16),
-        "connect_timeout_s": connect_timeout_s,
+        "connect_timeout_s": seconds("connect_timeout_s", 5.0),
         "read_timeout_s": seconds("read_timeout_s", 30.0),
         "max_attempts": integer("max_attempts", 3),
         "multipart_threshold_bytes": integer("multipart_threshold_bytes", 8 * 1024 * 1024),
         "max_bytes": max_bytes,
-        "orphan_upload_age_s": float(age),
+        "orphan_upload_age_s": age,
         "name": name,
         "io_timeout_s": seconds("io_timeout_s", 30.0),
         "max_queued_jobs": integer("max_queued_jobs", 1024),
