@@ -16,7 +16,7 @@ import collections
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,9 +174,7 @@ class Cascade:
             TypeError / ValueError: see :func:`_check_request` (bad keys, ctx or GPU ids).
         """
         self._check(keys, ctx, gpu_ids)
-        with self._in_call_order(self._loading, self._storing, gpu_ids) as earlier:
-            if earlier:
-                await asyncio.wait(earlier)
+        async with self._in_call_order(self._loading, self._storing, gpu_ids):
             return await self._load(keys, ctx, gpu_ids)
 
     async def _load(
@@ -228,9 +226,7 @@ class Cascade:
             TypeError / ValueError: see :func:`_check_request` (bad keys, ctx or GPU ids).
         """
         self._check(keys, ctx, gpu_ids)
-        with self._in_call_order(self._storing, self._loading, gpu_ids) as earlier:
-            if earlier:
-                await asyncio.wait(earlier)
+        async with self._in_call_order(self._storing, self._loading, gpu_ids):
             return await self._store(keys, ctx, gpu_ids)
 
     async def _store(
@@ -271,23 +267,25 @@ class Cascade:
             return StoreResult(dropped=dropped + len(out.keys_to_store))
         return StoreResult(out.keys_to_store, dropped, transfer.bytes)
 
-    @contextlib.contextmanager
-    def _in_call_order(
+    @contextlib.asynccontextmanager
+    async def _in_call_order(
         self,
         mine: dict[int, set[asyncio.Future[None]]],
         other: dict[int, set[asyncio.Future[None]]],
         gpu_ids: Sequence[int],
-    ) -> Iterator[set[asyncio.Future[None]]]:
+    ) -> AsyncIterator[None]:
         """Register a call on ``gpu_ids`` in ``mine`` (``_loading`` or ``_storing``) until the
-        block ends, and give the calls of the other kind on those blocks made before it (to
-        wait for). Only earlier calls are waited for, so two calls never wait for each other."""
+        block ends, first waiting for the calls of the other kind on those blocks made before
+        it. Only earlier calls are waited for, so two calls never wait for each other."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         blocks = {int(i) for i in gpu_ids}
         earlier = {f for i in blocks for f in other.get(i, ())}
         for i in blocks:
             mine.setdefault(i, set()).add(done)
         try:
-            yield earlier
+            if earlier:
+                await asyncio.wait(earlier)
+            yield
         finally:
             for i in blocks:
                 calls = mine[i]
