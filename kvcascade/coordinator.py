@@ -640,6 +640,7 @@ class TieringCoordinator:
             if state is not None:
                 self._finishing.setdefault(ctx.req_id, []).append(state)
             state = self._req_state[ctx.req_id] = _RequestState(ctx)
+            ctx.set_state(state)  # the use this context began (on_request_finished)
         return state
 
     def _storing_state(self, req_id: str) -> _RequestState | None:
@@ -669,8 +670,11 @@ class TieringCoordinator:
         """
         self.primary.on_request_finished(ctx)
         state = self._req_state.get(ctx.req_id)
-        if state is not None and state.is_finished:
-            return  # finished again (an abort after the finish): nothing is left to release
+        began = ctx.get_state(_RequestState)
+        if (state is not None and state.is_finished) or (began is not None and began.is_finished):
+            # Finished again (an abort after the finish): nothing is left to release, also
+            # when the id has a new use by now, whose pins are not this context's to drop.
+            return
         state = self._state(ctx)
         state.is_finished = True
         self.release_lookup_pins(ctx)

@@ -75,6 +75,7 @@ class CoordinatorModel(RuleBasedStateMachine):
         self.looked_up: dict[str, set[bytes]] = {r: set() for r in REQS}  # HIT (lookup pins)
         # GPU→CPU stores prepared and not completed yet: (context, keys)
         self.in_flight: list[tuple[kc.ReqContext, list[bytes]]] = []
+        self.finished: list[kc.ReqContext] = []  # contexts of uses an id has had before
         for r in REQS:
             self.coord.on_new_request(self.ctx[r])
 
@@ -173,12 +174,25 @@ class CoordinatorModel(RuleBasedStateMachine):
             self.coord.complete_load(self.loads[req], self.ctx[req])
             self.loads[req] = []
 
-    @rule(req=st.sampled_from(REQS))
-    def finish(self, req: str) -> None:
+    @rule(req=st.sampled_from(REQS), new_context=st.booleans())
+    def finish(self, req: str, new_context: bool) -> None:
+        """The request finishes and its id is used again, by the same ``ReqContext`` or by a
+        new one (as vLLM makes one per request)."""
         self.complete_load(req)
         self.coord.on_request_finished(self.ctx[req])
         self.looked_up[req].clear()
+        if new_context:
+            self.finished.append(self.ctx[req])
+            self.ctx[req] = kc.ReqContext(req)
         self.coord.on_new_request(self.ctx[req])
+
+    @precondition(lambda self: self.finished)
+    @rule(i=st.integers(0, 7))
+    def finish_again(self, i: int) -> None:
+        """An abort after the finish, of a use whose id has a new use by now: it changes
+        nothing (it released the new use's lookup pins, and another request evicted a block
+        the new use had a HIT for; found by a break-it run)."""
+        self.coord.on_request_finished(self.finished[i % len(self.finished)])
 
     @precondition(lambda self: not any(self.loads.values()) and not self.in_flight)
     @rule()
@@ -233,10 +247,33 @@ def test_a_store_landing_after_its_request_finished_and_its_context_was_used_aga
         model.store("a", [KEYS[0]], True)
         model.step()
         model.start_store("b", [KEYS[1]])
-        model.finish("b")
+        model.finish("b", False)
         model.lookup("b", KEYS[0])
         assert model.looked_up["b"] == {KEYS[0]}
         model.land_store(0, True)
+        model.load("b")
+        model.complete_load("b")
+        model.quiesce()
+    finally:
+        model.teardown()
+
+
+def test_an_abort_after_the_finish_leaves_the_next_use_of_the_id_alone() -> None:
+    """A break-it run's order: ``b`` finishes with its store in flight, a new ``ReqContext`` of
+    the same id gets a primary hit, and the old context is finished again (an abort after the
+    finish). That released the new use's lookup pin, and a store of other keys evicted the
+    block the new use was about to load."""
+    model = CoordinatorModel()
+    try:
+        model.store("a", [KEYS[0]], True)
+        model.step()
+        model.start_store("b", [KEYS[1]])
+        model.finish("b", True)
+        model.lookup("b", KEYS[0])
+        assert model.looked_up["b"] == {KEYS[0]}
+        model.finish_again(0)
+        model.store("a", [KEYS[2], KEYS[3], KEYS[4]], True)  # a full primary: one eviction
+        model.consistent()
         model.load("b")
         model.complete_load("b")
         model.quiesce()
