@@ -245,7 +245,8 @@ def build_replay_config(
 ) -> CascadeConfig:
     """Merge ``--config`` keys with the command-line options: an option fills in its key (an
     fs, s3 or valkey option that of the first tier of its type, added if ``--config`` has
-    none, except fs); an fs tier without ``root_dir`` gets ``temporary_root()`` (a directory
+    none, except fs and ``--s3-endpoint`` alone); an fs tier without ``root_dir`` (the key
+    absent) gets ``temporary_root()`` (a directory
     removed after the replay), a ``root_dir`` starting with ``~`` is expanded as the fs tier
     expands it (the report names the directory used); ``model_name`` is
     :data:`REPLAY_MODEL_NAME` unless ``--config`` names one.
@@ -293,8 +294,8 @@ def build_replay_config(
             root = tier.get("root_dir")
             if isinstance(root, str) and root:
                 tier["root_dir"] = os.path.expanduser(root)
-            elif temporary_root is not None and not root:
-                tier["root_dir"] = temporary_root()
+            elif temporary_root is not None and "root_dir" not in tier:
+                tier["root_dir"] = temporary_root()  # "", 0, false: CascadeConfig refuses
     extra["secondary_tiers"] = tiers
     extra.setdefault("model_name", REPLAY_MODEL_NAME)
     for flag, key in _CONFIG_OPTIONS:
@@ -336,8 +337,8 @@ def _fill_tier_options(args: argparse.Namespace, tiers: list[Any]) -> None:
 
     Raises:
         ConfigError: an fs option with ``--no-fs`` or without an fs tier in ``--config``'s
-            ``secondary_tiers``, ``--s3-endpoint`` without
-            ``--s3-bucket``, or an option whose key the tier's entry sets too.
+            ``secondary_tiers``, ``--s3-endpoint`` without ``--s3-bucket`` or an s3 tier in
+            ``--config``, or an option whose key the tier's entry sets too.
     """
 
     def first(types: tuple[str, ...], add: bool) -> dict[str, Any] | None:
@@ -362,11 +363,13 @@ def _fill_tier_options(args: argparse.Namespace, tiers: list[Any]) -> None:
                 '({"type": "fs"}) or drop ' + flag
             )
         _fill(fs, key, value, flag, "'s fs tier")
-    if args.s3_endpoint and not args.s3_bucket:
-        raise ConfigError("--s3-endpoint needs --s3-bucket")
-    if args.s3_bucket:
-        s3 = first(("s3", "obj"), add=True)
-        assert s3 is not None
+    if args.s3_bucket or args.s3_endpoint:
+        # --s3-endpoint alone fills --config's s3 tier; it adds none (a tier needs a bucket)
+        s3 = first(("s3", "obj"), add=bool(args.s3_bucket))
+        if s3 is None:
+            raise ConfigError(
+                "--s3-endpoint needs --s3-bucket, or an s3 tier in --config's secondary_tiers"
+            )
         _fill(s3, "bucket", args.s3_bucket, "--s3-bucket", "'s s3 tier")
         _fill(s3, "endpoint_url", args.s3_endpoint, "--s3-endpoint", "'s s3 tier")
     if args.valkey:

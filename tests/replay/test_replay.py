@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from valkey_fixtures import Server, needs_server
 
-from kvcascade import CascadeConfig, TraceError
-from kvcascade.replay.cli import REPLAY_MODEL_NAME, main
+from kvcascade import CascadeConfig, ConfigError, TraceError
+from kvcascade.replay.cli import REPLAY_MODEL_NAME, _parser, build_replay_config, main
 from kvcascade.replay.run import block_key, expected_bytes, run_replay
 from kvcascade.replay.trace import TraceRequest, bundled_trace, read_trace
 from kvcascade.tiers._block_format import HEADER_BYTES, check_block, encode_header
@@ -615,6 +615,34 @@ def test_an_option_and_the_same_config_key_are_refused(
     assert main(["replay", "--requests", "2", "--quiet", *argv]) == 2
     out = capsys.readouterr()
     assert f"kvcascade: error: {message}; give one of them" in out.err and out.out == ""
+
+
+@pytest.mark.parametrize("root", ['""', "false", "0", "null"])
+def test_an_fs_root_dir_given_empty_in_config_is_refused_not_replaced(
+    root: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a break-it run: ``"root_dir": ""`` (or ``false``, ``0``) in ``--config`` was
+    replaced by a temporary directory and the replay ran, although ``CascadeConfig`` refuses
+    it and so does ``--fs-dir ''``. Only an fs tier without the key gets one."""
+    config = json.dumps({"secondary_tiers": [{"type": "fs", "root_dir": json.loads(root)}]})
+    assert main(["replay", "--requests", "2", "--quiet", "--config", config]) == 2
+    out = capsys.readouterr()
+    assert "kvcascade: error: fs tier " in out.err and "root_dir" in out.err and out.out == ""
+
+
+def test_s3_endpoint_fills_the_s3_tier_of_config() -> None:
+    """Found by a break-it run: ``--s3-endpoint`` with the bucket in ``--config``'s s3 tier was
+    refused as needing ``--s3-bucket``, and ``--s3-bucket`` then as setting the bucket twice:
+    no combination worked. Alone (no s3 tier anywhere) it is still refused."""
+    tiers = {"secondary_tiers": [{"type": "s3", "bucket": "kv-blocks"}]}
+    argv = ["replay", "--no-fs", "--s3-endpoint", "http://127.0.0.1:9"]
+    args = _parser().parse_args([*argv, "--config", json.dumps(tiers)])
+    config = build_replay_config(args)
+    assert config.secondary_tiers == [
+        {"type": "s3", "bucket": "kv-blocks", "endpoint_url": "http://127.0.0.1:9"}
+    ]
+    with pytest.raises(ConfigError, match="--s3-endpoint needs --s3-bucket, or an s3 tier"):
+        build_replay_config(_parser().parse_args(argv))
 
 
 def test_options_fill_in_what_config_leaves_out(
