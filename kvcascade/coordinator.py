@@ -592,7 +592,7 @@ class TieringCoordinator:
             for idx in range(len(self.tiers)):
                 self.cascade(ready, ctx, idx)
         self._send_awaited_writes(keys)
-        state = self._storing_state(ctx.req_id)
+        state = self._storing_state(ctx)
         if state is not None and state.pending_primary_stores > 0:
             state.pending_primary_stores -= 1
             self._maybe_finalize(state)
@@ -643,13 +643,16 @@ class TieringCoordinator:
             ctx.set_state(state)  # the use this context began (on_request_finished)
         return state
 
-    def _storing_state(self, req_id: str) -> _RequestState | None:
-        """The use of ``req_id`` a completing primary store belongs to: the oldest finished use
-        still waiting for a store, else the latest use."""
-        for state in self._finishing.get(req_id, ()):
-            if state.pending_primary_stores > 0:
-                return state
-        return self._req_state.get(req_id)
+    def _storing_state(self, ctx: ReqContext) -> _RequestState | None:
+        """The use of ``ctx``'s request id a completing primary store belongs to: the oldest
+        use begun by ``ctx`` itself that waits for a store (a new context's store was booked to
+        the finished use of another, whose tiers then heard of its end before its own store
+        landed; found by a break-it run); else the oldest finished use still waiting for a
+        store (a context rebuilt from the id); else the latest use."""
+        uses = [*self._finishing.get(ctx.req_id, ()), self._req_state.get(ctx.req_id)]
+        waiting = [u for u in uses if u is not None and u.pending_primary_stores > 0]
+        mine = [u for u in waiting if u.ctx is ctx]
+        return (mine or waiting or [self._req_state.get(ctx.req_id)])[0]
 
     def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
         """First sight of a request; REQUEST_LEVEL if any tier asks for it (vLLM's

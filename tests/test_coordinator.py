@@ -254,6 +254,48 @@ async def test_finished_request_releases_lookup_pins() -> None:
         assert coord.prepare_store([key(2)], ctx).evicted_keys == [key(1)]
 
 
+class FinishRecordingTier(kc.MemoryTier):
+    """A memory tier that records the contexts it is told finished."""
+
+    def __init__(self, host: kc.HostBuffer) -> None:
+        super().__init__(host)
+        self.finished: list[kc.ReqContext] = []
+
+    def on_request_finished(self, ctx: kc.ReqContext) -> None:
+        self.finished.append(ctx)
+        super().on_request_finished(ctx)
+
+
+async def test_a_request_id_used_again_by_a_new_context_keeps_each_use_apart() -> None:
+    """Found by a break-it run, with ``r`` finished while its store is in flight and used again
+    by a new context: the new use's store landing was booked to the finished use, whose tiers
+    heard of its end before its own store landed; and finishing the old context again
+    released the new use's lookup pin (the block it had a HIT for was then evicted)."""
+    host = kc.HostBuffer(2, 64)
+    tier = FinishRecordingTier(host)
+    coord = kc.TieringCoordinator(kc.CPUOffloadingManager(2), [tier])
+    try:
+        async with running(tier):
+            old = kc.ReqContext("r")
+            coord.on_new_request(old)
+            in_flight = coord.prepare_store([key(1)], old)
+            coord.on_request_finished(old)
+            new = kc.ReqContext("r")
+            coord.on_new_request(new)
+            store(coord, new, [key(2)], host)
+            assert tier.finished == []  # the old use's store is still in flight
+            assert coord.lookup(key(2), new) is R.HIT
+            coord.on_request_finished(old)  # an abort after the finish
+            assert coord.prepare_store([key(3)], kc.ReqContext("o")) is None  # key 2 pinned
+            coord.complete_store(in_flight.keys_to_store, old)
+            assert tier.finished == [old]
+            coord.on_request_finished(new)
+            assert tier.finished == [old, new]
+            await settle(coord)
+    finally:
+        host.close()
+
+
 async def test_metrics_are_exported_per_tier() -> None:
     """Issue #4 item 7: vLLM-shaped tiering metrics under kvcascade_* names, per tier label."""
     async with tiering(num_blocks=4, num_tiers=1) as (coord, host, _tiers):
