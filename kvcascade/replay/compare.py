@@ -38,6 +38,7 @@ from typing import Any
 from .._types import LookupResult, ReqContext
 from ..hints import SessionHint, admits_new_blocks
 from ..index.cpu import CPUOffloadingManager
+from ..policies import resolve_cache_policy
 from .opt import belady_hits
 from .run import block_key
 from .trace import TOKENS_PER_BLOCK, TraceRequest
@@ -271,6 +272,8 @@ def compare(
             if value in seen:
                 raise ValueError(f"{what} {value!r} is given twice; give each once")
             seen.add(value)
+    for name in policies:  # before any run: a bad last name cost the runs of the others
+        resolve_cache_policy(name)
     use_hints, noise = parse_hints(hints)
     if policy_state is not None:
         source = repr(warm_from) if warm_from else "policy_state"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcascade import ConfigError
 from kvcascade.replay.cli import main
 from kvcascade.replay.compare import (
     compare,
@@ -195,6 +196,15 @@ def test_cli_compare_refuses_a_repeated_or_missing_policy_or_capacity(
     assert main(["replay", "--requests", "5", "--quiet", *argv]) == 2
     out = capsys.readouterr()
     assert f"kvcascade: error: {message}" in out.err and out.out == ""
+
+
+def test_an_unknown_policy_is_refused_before_any_run(trace_slice: list[TraceRequest]) -> None:
+    """Found by a break-it run: ``--compare-policies lru,bogus`` simulated every run of lru
+    before refusing ``bogus``."""
+    runs: list[int] = []
+    with pytest.raises(ConfigError, match="bogus"):
+        compare(trace_slice, ["lru", "bogus"], [0.05], progress=runs.append)
+    assert runs == []
 
 
 def test_cli_compare_refuses_a_trace_of_no_blocks(
