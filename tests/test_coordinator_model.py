@@ -237,19 +237,24 @@ CoordinatorModel.TestCase.settings = settings(
 TestCoordinatorModel = CoordinatorModel.TestCase
 
 
+def _used_again_with_a_store_in_flight(model: CoordinatorModel, new_context: bool) -> None:
+    """vLLM's order: ``b`` finishes while its GPU→CPU store is in flight, its id is used again
+    (by the same ``ReqContext`` or a new one) and gets a primary hit, pinned."""
+    model.store("a", [KEYS[0]], True)
+    model.step()
+    model.start_store("b", [KEYS[1]])
+    model.finish("b", new_context)
+    model.lookup("b", KEYS[0])
+    assert model.looked_up["b"] == {KEYS[0]}
+
+
 def test_a_store_landing_after_its_request_finished_and_its_context_was_used_again() -> None:
-    """The model's rules in the order a break-it run found (vLLM's order: request ``b``
-    finishes while its GPU→CPU store is in flight, the context is used again and pins a primary
-    hit, the old store lands): the new use's lookup pin went with the old use's state and the
-    slot stayed pinned with no request alive."""
+    """The model's rules in the order a break-it run found (then the old store lands): the new
+    use's lookup pin went with the old use's state and the slot stayed pinned with no request
+    alive."""
     model = CoordinatorModel()
     try:
-        model.store("a", [KEYS[0]], True)
-        model.step()
-        model.start_store("b", [KEYS[1]])
-        model.finish("b", False)
-        model.lookup("b", KEYS[0])
-        assert model.looked_up["b"] == {KEYS[0]}
+        _used_again_with_a_store_in_flight(model, new_context=False)
         model.land_store(0, True)
         model.load("b")
         model.complete_load("b")
@@ -259,18 +264,12 @@ def test_a_store_landing_after_its_request_finished_and_its_context_was_used_aga
 
 
 def test_an_abort_after_the_finish_leaves_the_next_use_of_the_id_alone() -> None:
-    """A break-it run's order: ``b`` finishes with its store in flight, a new ``ReqContext`` of
-    the same id gets a primary hit, and the old context is finished again (an abort after the
-    finish). That released the new use's lookup pin, and a store of other keys evicted the
-    block the new use was about to load."""
+    """A break-it run's order (the id used again by a new ``ReqContext``, then the old context
+    finished again: an abort after the finish). That released the new use's lookup pin, and a
+    store of other keys evicted the block the new use was about to load."""
     model = CoordinatorModel()
     try:
-        model.store("a", [KEYS[0]], True)
-        model.step()
-        model.start_store("b", [KEYS[1]])
-        model.finish("b", True)
-        model.lookup("b", KEYS[0])
-        assert model.looked_up["b"] == {KEYS[0]}
+        _used_again_with_a_store_in_flight(model, new_context=True)
         model.finish_again(0)
         model.store("a", [KEYS[2], KEYS[3], KEYS[4]], True)  # a full primary: one eviction
         model.consistent()
