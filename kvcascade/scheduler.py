@@ -756,16 +756,19 @@ class OffloadScheduler:
         stores of preempted requests and stores still reading re-allocated blocks, builds the
         store jobs, and signals ``on_request_finished`` for finished requests.
         """
-        self._update_req_states(step)
-        self.manager.on_schedule_end(
-            ScheduleEndContext(tuple(step.new_req_ids), tuple(step.preempted_req_ids))
-        )
+        # Preempted requests lose their blocks first: one preempted and scheduled again in the
+        # same step keeps the blocks it was given again (they were cleared after them, and its
+        # next store read another block's KV for its first chunk; found by a break-it run).
         for req_id in step.preempted_req_ids:
             st = self._reqs.get(req_id)
             if st is not None:
                 for gs in st.groups:
                     gs.block_ids.clear()
                 self._step_flush.update(j for j in st.jobs if self._jobs[j].is_store)
+        self._update_req_states(step)
+        self.manager.on_schedule_end(
+            ScheduleEndContext(tuple(step.new_req_ids), tuple(step.preempted_req_ids))
+        )
         for bid in self._step_allocated:
             self._step_flush.update(self._fence.get(bid, ()))
         plan = StepPlan(self._step_loads, self._build_store_jobs(step), self._step_flush)

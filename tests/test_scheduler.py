@@ -596,6 +596,29 @@ def test_preempted_request_reloads() -> None:
     assert spec.gpu.block_ids.tolist() == ids[:2]
 
 
+def test_a_request_preempted_and_scheduled_again_in_one_step_stores_its_own_blocks() -> None:
+    """Found by a break-it run (the scheduler model's ``rows_hold_their_keys`` on a random run):
+    a request preempted and scheduled again, with new blocks, in the same step lost those
+    blocks (the preemption cleared them after they were applied), and the next step's store
+    copied block 10 as its first chunk, another token's KV under chunk 0's key."""
+    coord = kc.TieringCoordinator(kc.CPUOffloadingManager(8), [])
+    sched = OffloadScheduler(SchedulerConfig((GroupSpec(4),), 4), coord)
+    req = FakeRequest("a", 12)
+    admit(sched, req)
+    ack(sched, sched.build_step(StepInput([ScheduledRequest("a", [[1, 2, 3]])], {"a": 2})))
+    req.num_computed_tokens = 0  # preempted, and admitted again in the same step
+    assert sched.get_num_new_matched_tokens("a", 0) == (0, False)
+    sched.update_state_after_alloc("a", [[(7, False), (8, False), (9, False)]], 0)
+    again = ScheduledRequest("a", [[7, 8, 9]], resumed=True)
+    plan = sched.build_step(StepInput([again], {"a": 12}, preempted_req_ids=["a"]))
+    stored = [b for spec in plan.store_jobs.values() for b in spec.gpu.block_ids.tolist()]
+    ack(sched, plan)
+    req.num_computed_tokens, req.num_tokens = 12, 13
+    plan = sched.build_step(StepInput([ScheduledRequest("a", [[10]])], {"a": 1}))
+    stored += [b for spec in plan.store_jobs.values() for b in spec.gpu.block_ids.tolist()]
+    assert stored == [7, 8, 9]  # chunks 0-2 from the blocks that hold them
+
+
 def test_fence_on_reuse_of_finished_requests_blocks() -> None:
     """vLLM test_loads_do_not_populate_fence_index / test_fence_at_update_state_after_alloc /
     test_fence_at_build_store_jobs / test_request_finished_with_pending_stores_populates_fence /
